@@ -1,0 +1,51 @@
+"""agentenv: multi-turn tool-use environments for LLM agents, and GRPO to train on them.
+
+The public API is re-exported here::
+
+    import agentenv
+    env = agentenv.make("Calculator-v0")
+    obs, info = env.reset(seed=0)
+"""
+
+from agentenv.core import SPLITS, Task, TextEnv, ToolEnv
+from agentenv.errors import AgentEnvError
+from agentenv.executor import ToolExecutor, ToolResult, truncate
+from agentenv.parsers import ActionParser, HermesParser, ParsedAction, ReActParser, ToolCall
+from agentenv.play import ChatModelPolicy, EpisodeResult, play_episode
+from agentenv.registration import _register_bundled as _register_bundled
+from agentenv.registration import deregister, make, register, registry, spec
+from agentenv.spaces import FreeText, Message, Messages
+from agentenv.tools import Tool, tool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SPLITS",
+    "ActionParser",
+    "ChatModelPolicy",
+    "EpisodeResult",
+    "AgentEnvError",
+    "FreeText",
+    "HermesParser",
+    "Message",
+    "Messages",
+    "ParsedAction",
+    "ReActParser",
+    "Task",
+    "TextEnv",
+    "Tool",
+    "ToolCall",
+    "ToolEnv",
+    "ToolExecutor",
+    "ToolResult",
+    "deregister",
+    "make",
+    "play_episode",
+    "register",
+    "registry",
+    "spec",
+    "tool",
+    "truncate",
+]
+
+_register_bundled()

@@ -1,0 +1,238 @@
+"""The environment base classes.
+
+:class:`TextEnv` is the contract every agentenv environment follows (a
+``gymnasium.Env`` whose observations are lists of new chat messages and whose
+actions are strings). :class:`ToolEnv` adds the generic tool-use loop so an
+environment author only supplies tasks, tools and a scoring function.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, SupportsFloat
+
+import gymnasium as gym
+from gymnasium.error import ResetNeeded
+
+from agentenv.errors import InvalidOptionError
+from agentenv.executor import ToolExecutor
+from agentenv.parsers import ActionParser, HermesParser
+from agentenv.spaces import FreeText, Message, Messages
+from agentenv.tools import Tool
+
+SPLITS: tuple[str, ...] = ("train", "test")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of an environment's split.
+
+    Attributes:
+        id: Stable identifier (unique within the env, e.g. ``"basic_arithmetic-17"``).
+        prompt: The text the agent is given.
+        answer: The gold answer the env scores against.
+        metadata: Anything else the env or its scorer needs.
+    """
+
+    id: str
+    prompt: str
+    answer: Any
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class TextEnv(gym.Env[list[Message], str]):
+    """A multi-turn text environment.
+
+    Contract (see DESIGN.md §1):
+
+    * ``reset(seed=None, options=None) -> (observation, info)``: ``observation`` is
+      the list of opening messages (system prompt with tool descriptions, then
+      the task). The same ``seed`` always gives the same task and behaviour;
+      ``options={"task_id": i}`` picks task ``i`` of the split.
+    * ``step(action: str) -> (observation, reward, terminated, truncated, info)``:
+      ``observation`` is the list of *new* messages (tool results, feedback).
+    * ``num_tasks`` and ``split`` tell which tasks the instance draws from;
+      ``train`` and ``test`` never overlap.
+    * The instance owns its mutable state and RNG (``self.np_random``); it never
+      touches Python's or numpy's global generators. ``close()`` releases it.
+
+    Subclasses must set ``self.observation_space`` / ``self.action_space`` (done
+    here) and implement :attr:`num_tasks`, :meth:`reset` and :meth:`step`.
+
+    Args:
+        split: ``"train"`` or ``"test"``.
+        render_mode: ``None`` or ``"ansi"`` (``render()`` returns the transcript).
+    """
+
+    # render_fps only silences gymnasium's checker; text envs render on demand.
+    metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 1}
+
+    def __init__(self, *, split: str = "train", render_mode: str | None = None):
+        if split not in SPLITS:
+            raise InvalidOptionError(f"split must be one of {SPLITS}, got {split!r}")
+        if render_mode not in (None, "ansi"):
+            raise InvalidOptionError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        self.split = split
+        self.render_mode = render_mode
+        self.observation_space = Messages()
+        self.action_space = FreeText()
+
+    @property
+    @abstractmethod
+    def num_tasks(self) -> int:
+        """How many tasks this instance's split holds."""
+
+    def _pick_task(self, seed: int | None, options: dict[str, Any] | None) -> int:
+        """Seed ``np_random`` and choose a task index (``options["task_id"]`` or random)."""
+        super().reset(seed=seed)
+        options = options or {}
+        unknown = set(options) - {"task_id"}
+        if unknown:
+            raise InvalidOptionError(f"unknown reset option(s) {sorted(unknown)}; known: task_id")
+        n = self.num_tasks
+        if "task_id" not in options:
+            return int(self.np_random.integers(n))
+        task_id = options["task_id"]
+        if isinstance(task_id, bool) or not isinstance(task_id, int) or not 0 <= task_id < n:
+            raise InvalidOptionError(
+                f"options['task_id'] must be an int in [0, {n}) for the {self.split!r} split, "
+                f"got {task_id!r}"
+            )
+        return task_id
+
+
+class ToolEnv(TextEnv):
+    """A :class:`TextEnv` with the standard tool-use loop built in.
+
+    Each step parses the action with ``parser``. A final answer ends the episode
+    (``terminated``) and is scored by :meth:`score`; otherwise every tool call is
+    run by a :class:`~agentenv.executor.ToolExecutor` (timeouts, truncation,
+    errors as observations) and the results come back as ``tool`` messages. An
+    action with neither gets a short ``user`` reminder of the format. After
+    ``max_turns`` actions without an answer the episode is ``truncated`` with
+    reward 0.
+
+    Subclasses implement :attr:`num_tasks`, :meth:`get_task` and :meth:`score`,
+    and may override :meth:`instructions` (the task-family part of the system
+    prompt) and :meth:`on_reset` (per-episode setup).
+
+    Args:
+        tools: Tools on offer.
+        split: ``"train"`` or ``"test"``.
+        parser: How actions are parsed (default :class:`~agentenv.parsers.HermesParser`).
+        max_turns: Most actions per episode before ``truncated``.
+        tool_timeout_s: Wall-clock limit per tool call.
+        max_output_chars: Longest tool output shown to the model.
+        render_mode: ``None`` or ``"ansi"``.
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        *,
+        split: str = "train",
+        parser: ActionParser | None = None,
+        max_turns: int = 5,
+        tool_timeout_s: float = 10.0,
+        max_output_chars: int = 2000,
+        render_mode: str | None = None,
+    ):
+        super().__init__(split=split, render_mode=render_mode)
+        if max_turns < 1:
+            raise InvalidOptionError(f"max_turns must be >= 1, got {max_turns}")
+        self.tools = list(tools)
+        self.parser: ActionParser = parser or HermesParser()
+        self.max_turns = int(max_turns)
+        self.executor = ToolExecutor(
+            self.tools, timeout_s=tool_timeout_s, max_output_chars=max_output_chars
+        )
+        self.task: Task | None = None
+        self.messages: list[dict[str, str]] = []
+        self._done = True
+        self._stats: dict[str, Any] = {}
+
+    # ---- hooks for subclasses ---------------------------------------------------------
+    @abstractmethod
+    def get_task(self, index: int) -> Task:
+        """Task ``index`` (``0 <= index < num_tasks``) of this instance's split."""
+
+    @abstractmethod
+    def score(self, answer: str, task: Task) -> tuple[float, dict[str, Any]]:
+        """Reward for a final ``answer`` and extra ``info`` (must include ``"correct"``)."""
+
+    def instructions(self) -> str:
+        """The task-family part of the system prompt (before the tool instructions)."""
+        return "You are a helpful assistant that solves tasks step by step using tools."
+
+    def on_reset(self, task: Task) -> None:
+        """Per-episode setup after the task is chosen (default: nothing)."""
+
+    # ---- gymnasium API ----------------------------------------------------------------
+    def system_prompt(self) -> str:
+        """The full system prompt: :meth:`instructions` plus the parser's tool instructions."""
+        return f"{self.instructions()}\n\n{self.parser.format_instructions(self.tools)}"
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        index = self._pick_task(seed, options)
+        self.task = self.get_task(index)
+        self.on_reset(self.task)
+        self._done = False
+        self._stats = {"turn": 0, "num_tool_calls": 0, "num_tool_errors": 0, "tool_errors": {}}
+        obs = [
+            {"role": "system", "content": self.system_prompt()},
+            {"role": "user", "content": self.task.prompt},
+        ]
+        self.messages = list(obs)
+        return obs, {"task_id": index, "task": self.task.id, **self._info_stats()}
+
+    def step(self, action: str) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
+        if self.task is None or self._done:
+            raise ResetNeeded("call reset() before step(): the episode has not started or ended")
+        if not isinstance(action, str):
+            raise InvalidOptionError(f"action must be a str, got {type(action).__name__}")
+        self._stats["turn"] += 1
+        self.messages.append({"role": "assistant", "content": action})
+        parsed = self.parser.parse(action)
+        if parsed.answer is not None:
+            reward, extra = self.score(parsed.answer, self.task)
+            self._done = True
+            info = {**self._info_stats(), "answer": parsed.answer, **extra}
+            return [], float(reward), True, False, info
+        if parsed.tool_calls:
+            results = self.executor.run(parsed.tool_calls)
+            self._stats["num_tool_calls"] += len(results)
+            for r in results:
+                if r.error:
+                    self._stats["num_tool_errors"] += 1
+                    errs = self._stats["tool_errors"]
+                    errs[r.error] = errs.get(r.error, 0) + 1
+            obs = [{"role": "tool", "content": r.content} for r in results]
+        else:
+            obs = [{"role": "user", "content": self.format_reminder()}]
+        self.messages.extend(obs)
+        truncated = self._stats["turn"] >= self.max_turns
+        self._done = truncated
+        info = {**self._info_stats(), "correct": False} if truncated else self._info_stats()
+        return obs, 0.0, False, truncated, info
+
+    def format_reminder(self) -> str:
+        """Feedback for an action with neither a tool call nor an answer."""
+        return (
+            "No tool call or final answer found. Call a tool with "
+            '<tool_call>{"name": ..., "arguments": {...}}</tool_call> or give the final '
+            "answer as <answer>...</answer>."
+            if isinstance(self.parser, HermesParser)
+            else "No tool call or final answer found. " + self.parser.format_instructions([])
+        )
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in self.messages)
+
+    def _info_stats(self) -> dict[str, Any]:
+        return {**self._stats, "tool_errors": dict(self._stats.get("tool_errors", {}))}

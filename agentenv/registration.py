@@ -1,0 +1,121 @@
+"""The environment registry: a thin layer over gymnasium's, under the ``agentenv`` namespace.
+
+Every id registered here is a real gymnasium id, so ``gymnasium.make("agentenv/Calculator-v0")``
+works in any RL library once ``agentenv`` is imported. Ids may be given with or
+without the namespace: ``make("Calculator-v0") == make("agentenv/Calculator-v0")``.
+
+Environments are registered with ``order_enforce=False`` and
+``disable_env_checker=True``: :class:`~agentenv.TextEnv` enforces reset-before-step
+itself, and the tests run gymnasium's full ``check_env`` on every id. So ``make``
+returns the environment itself, and its attributes (``num_tasks``, ``split``,
+``tools``) are reachable without ``env.unwrapped``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+from gymnasium.envs.registration import EnvSpec
+
+from agentenv.errors import RegistrationError, UnknownEnvError
+
+NAMESPACE = "agentenv"
+
+
+def full_id(env_id: str) -> str:
+    """``"Calculator-v0"`` -> ``"agentenv/Calculator-v0"``; namespaced ids pass through."""
+    if not isinstance(env_id, str) or not env_id:
+        raise UnknownEnvError(f"an environment id must be a non-empty str, got {env_id!r}")
+    return env_id if "/" in env_id else f"{NAMESPACE}/{env_id}"
+
+
+def register(
+    id: str,  # noqa: A002 - mirrors gymnasium.register
+    entry_point: str | Callable[..., gym.Env],
+    *,
+    override: bool = False,
+    **kwargs: Any,
+) -> EnvSpec:
+    """Register an environment under the ``agentenv`` namespace.
+
+    Args:
+        id: ``"Name-vN"`` (namespaced to ``agentenv/Name-vN``) or a full ``"ns/Name-vN"``.
+        entry_point: The env class/factory, or a lazy ``"module.path:ClassName"`` string.
+        override: Replace an existing registration instead of raising.
+        **kwargs: Default constructor arguments; ``make`` merges the caller's over them.
+
+    Returns:
+        The gymnasium :class:`~gymnasium.envs.registration.EnvSpec`.
+
+    Raises:
+        RegistrationError: if the id is taken (and ``override`` is False) or malformed.
+    """
+    env_id = full_id(id)
+    if env_id in gym.registry and not override:
+        raise RegistrationError(
+            f"environment {env_id!r} is already registered; pick another id or pass override=True"
+        )
+    if isinstance(entry_point, str) and ":" not in entry_point:
+        raise RegistrationError(
+            f"entry_point must look like 'package.module:ClassName', got {entry_point!r}"
+        )
+    gym.registry.pop(env_id, None)
+    try:
+        gym.register(
+            id=env_id,
+            entry_point=entry_point,
+            kwargs=kwargs,
+            order_enforce=False,
+            disable_env_checker=True,
+        )
+    except gym.error.Error as exc:
+        raise RegistrationError(f"cannot register {env_id!r}: {exc}") from exc
+    return gym.spec(env_id)
+
+
+def deregister(id: str) -> None:  # noqa: A002
+    """Remove an id from the registry (useful in tests); unknown ids are ignored."""
+    gym.registry.pop(full_id(id), None)
+
+
+def registry() -> dict[str, EnvSpec]:
+    """All ``agentenv/...`` registrations, by full id, sorted."""
+    prefix = f"{NAMESPACE}/"
+    return {k: gym.registry[k] for k in sorted(gym.registry) if k.startswith(prefix)}
+
+
+def spec(id: str) -> EnvSpec:  # noqa: A002
+    """The spec of a registered id; raises :class:`UnknownEnvError` with close matches."""
+    env_id = full_id(id)
+    if env_id not in gym.registry:
+        known = list(registry())
+        close = difflib.get_close_matches(env_id, known, n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise UnknownEnvError(
+            f"no environment registered as {env_id!r}.{hint} "
+            f"Registered: {', '.join(known) or '(none)'}. See `agentenv list`."
+        )
+    return gym.spec(env_id)
+
+
+def make(id: str, **kwargs: Any) -> gym.Env:  # noqa: A002
+    """Create a registered environment; ``kwargs`` override the registered defaults.
+
+    Example:
+        >>> env = make("Calculator-v0", split="test")
+        >>> obs, info = env.reset(seed=0)
+    """
+    return gym.make(spec(id).id, **kwargs)
+
+
+def _register_bundled() -> None:
+    """Register the environments shipped in the ``envs`` package (lazy entry points)."""
+    bundled = {
+        "Calculator-v0": "envs.calculator:CalculatorEnv",
+    }
+    for name, entry_point in bundled.items():
+        if full_id(name) not in gym.registry:
+            register(name, entry_point)

@@ -1,0 +1,130 @@
+"""The Calculator environment: math word problems solved with a safe ``calculator`` tool."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from agentenv.core import Task, ToolEnv
+from agentenv.parsers import ActionParser
+from agentenv.tools import tool
+from envs.calculator.safe_eval import evaluate, format_number
+from envs.calculator.tasks import load_tasks
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+@tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression and return the result.
+
+    Args:
+        expression: Numbers with + - * / // % ** and parentheses, and the functions
+            abs, round, min, max, sqrt. Example: "(12 + 30) * 3 / 4".
+    """
+    return format_number(evaluate(expression))
+
+
+def parse_number(text: str) -> float | None:
+    """The number a final answer states, or ``None``.
+
+    Accepts ``"72"``, ``"1,234.5"``, ``"$18"``, ``"50%"``, ``"3/4"`` and, failing those,
+    takes the last number in the text (``"The answer is 72 apples"`` -> 72).
+    """
+    cleaned = text.strip().replace(",", "").replace("$", "").rstrip("%").strip()
+    try:
+        return float(cleaned)
+    except ValueError:
+        pass
+    frac = re.fullmatch(r"(-?\d+)\s*/\s*(\d+)", cleaned)
+    if frac and int(frac.group(2)) != 0:
+        return int(frac.group(1)) / int(frac.group(2))
+    numbers = _NUMBER.findall(cleaned)
+    return float(numbers[-1]) if numbers else None
+
+
+class CalculatorEnv(ToolEnv):
+    """Math word problems with a ``calculator`` tool (id ``agentenv/Calculator-v0``).
+
+    Reward: 1.0 when the number in the final ``<answer>`` equals the gold answer
+    within ``tolerance`` (relative, and absolute near zero), else 0.0. With
+    ``format_bonus > 0``, an answer that states a number gets that bonus on top,
+    right or wrong (a shaping term to teach the format; off by default).
+    ``max_turns`` actions without an answer end the episode ``truncated`` with 0.
+
+    ``info`` carries ``correct``, ``num_tool_calls``, ``num_tool_errors``,
+    ``tool_errors`` (count per error kind), ``turn``, ``task_id``, ``task`` and,
+    at the end, ``answer``, ``gold`` and ``parsed_answer``.
+
+    Args:
+        split: ``"train"`` or ``"test"`` (disjoint).
+        source: ``"gsm_symbolic"`` (default), ``"basic_arithmetic"`` or ``"gsm8k"``;
+            see :mod:`envs.calculator.tasks`.
+        num_tasks: Tasks in the split (default 2000 train / 500 test).
+        path: Local GSM8K JSONL/Parquet file for ``source="gsm8k"``.
+        source_config: Extra reasoning-gym config, e.g. ``{"max_terms": 4}``.
+        data_seed: Seed of the task generator.
+        max_turns: Actions per episode before ``truncated``.
+        tolerance: Relative tolerance of the numeric comparison.
+        format_bonus: Reward added for any numeric final answer (default 0).
+        parser: Action parser (default Hermes ``<tool_call>`` / ``<answer>``).
+        tool_timeout_s: Wall-clock limit per calculator call.
+        max_output_chars: Longest tool output shown.
+        render_mode: ``None`` or ``"ansi"``.
+    """
+
+    def __init__(
+        self,
+        *,
+        split: str = "train",
+        source: str = "gsm_symbolic",
+        num_tasks: int | None = None,
+        path: str | None = None,
+        source_config: dict[str, Any] | None = None,
+        data_seed: int = 0,
+        max_turns: int = 5,
+        tolerance: float = 1e-4,
+        format_bonus: float = 0.0,
+        parser: ActionParser | None = None,
+        tool_timeout_s: float = 2.0,
+        max_output_chars: int = 500,
+        render_mode: str | None = None,
+    ):
+        super().__init__(
+            [calculator],
+            split=split,
+            parser=parser,
+            max_turns=max_turns,
+            tool_timeout_s=tool_timeout_s,
+            max_output_chars=max_output_chars,
+            render_mode=render_mode,
+        )
+        self.source = source
+        self.tolerance = float(tolerance)
+        self.format_bonus = float(format_bonus)
+        self._tasks = load_tasks(
+            source, split, num_tasks=num_tasks, path=path, config=source_config, seed=data_seed
+        )
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self._tasks)
+
+    def get_task(self, index: int) -> Task:
+        return self._tasks[index]
+
+    def instructions(self) -> str:
+        return (
+            "You solve math problems. Use the calculator tool for every arithmetic step, "
+            "then give only the final number in <answer></answer> tags."
+        )
+
+    def score(self, answer: str, task: Task) -> tuple[float, dict[str, Any]]:
+        value = parse_number(answer)
+        gold = float(task.answer)
+        correct = value is not None and math.isclose(
+            value, gold, rel_tol=self.tolerance, abs_tol=self.tolerance
+        )
+        reward = float(correct) + (self.format_bonus if value is not None else 0.0)
+        return reward, {"correct": correct, "gold": task.answer, "parsed_answer": value}

