@@ -91,7 +91,7 @@ class ToolExecutor:
             value = self._call_with_timeout(tool, kwargs)
         except ToolError as exc:
             return self._error(call.name, exc.kind, str(exc), start)
-        except Exception as exc:  # the tool's own bug: reported to the model and in info
+        except (Exception, SystemExit) as exc:  # the tool's own bug: reported, episode goes on
             msg = f"tool '{call.name}' raised {type(exc).__name__}: {exc}"
             return self._error(call.name, "exception", msg, start)
         content = truncate(
@@ -127,7 +127,7 @@ class ToolExecutor:
         return box.get("value")
 
     def _error(self, name: str | None, kind: str, msg: str, start: float) -> ToolResult:
-        content = truncate(f"Error: {msg}", min(self.max_output_chars, 500))
+        content = truncate(f"Error: {msg}", max(200, min(self.max_output_chars, 500)))
         return ToolResult(name, content, kind, time.perf_counter() - start)
 
 

@@ -92,8 +92,10 @@ def _call_from_json(payload: str, example: str) -> ToolCall:
     raw = _shorten(payload)
     try:
         obj = json.loads(payload)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        reason = getattr(exc, "msg", "nested too deeply")
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, over-long ints, deep nesting
+        reason = getattr(exc, "msg", None) or (
+            "nested too deeply" if isinstance(exc, RecursionError) else "number too long"
+        )
         return ToolCall(None, raw=raw, error=f"tool call is not valid JSON ({reason}); {example}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCall(None, raw=raw, error=f'tool call needs a string "name"; {example}')
@@ -101,8 +103,8 @@ def _call_from_json(payload: str, example: str) -> ToolCall:
     if isinstance(args, str):  # some models JSON-encode the arguments twice
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            pass
+        except (ValueError, RecursionError):
+            pass  # left as a string: the executor reports "must be a JSON object"
     return ToolCall(obj["name"], args, raw=raw)
 
 
@@ -192,7 +194,7 @@ class ReActParser:
                 args_text = nxt[len("Action Input:") :].strip() or "{}"
                 try:
                     calls.append(ToolCall(name, json.loads(args_text), raw=_shorten(stripped)))
-                except (json.JSONDecodeError, RecursionError):
+                except (ValueError, RecursionError):
                     calls.append(
                         ToolCall(
                             None,

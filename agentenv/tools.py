@@ -74,12 +74,17 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
             r"^\s*(?:Returns|Raises|Yields|Examples?|Notes?):\s*$", parts[1], maxsplit=1, flags=re.M
         )[0]
         current = None
+        indent = None  # argument lines sit at the section's base indent; deeper = continuation
         for line in section.splitlines():
+            if not line.strip():
+                continue
+            depth = len(line) - len(line.lstrip())
             m = re.match(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line)
-            if m:
+            if m and (indent is None or depth <= indent):
+                indent = depth
                 current = m.group(1)
                 args[current] = m.group(2).strip()
-            elif current and line.strip():
+            elif current:
                 args[current] += " " + line.strip()
     return description, args
 
@@ -166,11 +171,22 @@ def _check_value(tool_name: str, arg: str, value: Any, schema: dict[str, Any]) -
             f"'{tool_name}' argument '{arg}' must be {expected}, got {type(value).__name__} "
             f"{_short(value)}"
         )
+    if expected == "array" and "items" in schema:
+        value = [
+            _check_value(tool_name, f"{arg}[{i}]", v, schema["items"]) for i, v in enumerate(value)
+        ]
     if "enum" in schema and value not in schema["enum"]:
         raise ToolArgumentError(
             f"'{tool_name}' argument '{arg}' must be one of {schema['enum']}, got {_short(value)}"
         )
-    return float(value) if expected == "number" else value
+    if expected == "number":
+        try:
+            return float(value)
+        except OverflowError:
+            raise ToolArgumentError(
+                f"'{tool_name}' argument '{arg}' is too large for a number"
+            ) from None
+    return value
 
 
 def _short(value: Any, n: int = 40) -> str:
@@ -200,7 +216,13 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> An
                 "'Args:' section naming each parameter"
             )
         description, arg_docs = _parse_docstring(f.__doc__)
-        hints = typing.get_type_hints(f)
+        try:
+            hints = typing.get_type_hints(f)
+        except NameError as exc:
+            raise ToolDefinitionError(
+                f"tool '{tool_name}': cannot resolve a type annotation ({exc}); define the type "
+                "at module level or use a built-in type"
+            ) from exc
         properties: dict[str, Any] = {}
         required: list[str] = []
         for p in inspect.signature(f).parameters.values():
