@@ -1,0 +1,40 @@
+"""Shared fixtures. Tests never touch the network; the real model is cached once.
+
+``AGENTENV_HOME`` is left alone: the converted SmolLM2 lives in the user's normal cache
+(``~/.cache/agentenv``) so the ~20 s conversion happens once, not once per run.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The real SmolLM2-135M-Instruct tokenizer (left padding, pad = ``<|im_end|>``)."""
+    from agentenv.models import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    """A fresh 2-layer random Llama with SmolLM2's vocabulary (seed 0, eval mode)."""
+    from agentenv.models import tiny_model as build
+
+    return build(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct, float32 on CPU, eval mode.
+
+    Shared by the whole session: do not modify it (e.g. with peft); call ``load()`` for
+    a private copy instead (about a second once cached).
+    """
+    from agentenv.models import load
+
+    return load("smollm2-135m-instruct")
