@@ -19,7 +19,33 @@ from agentenv.tools import Tool, tool
 
 __version__ = "0.1.0"
 
+# Names whose modules import torch/transformers are loaded on first use, so that
+# `import agentenv` (e.g. from another RL library that only wants the envs) stays light.
+_LAZY = {
+    "ChatFormat": "agentenv.episode",
+    "Episode": "agentenv.episode",
+    "EpisodeBuilder": "agentenv.episode",
+    "collate": "agentenv.episode",
+    "Generation": "agentenv.rollout",
+    "PolicyBackend": "agentenv.rollout",
+    "RolloutConfig": "agentenv.rollout",
+    "SamplingConfig": "agentenv.rollout",
+    "ScriptedPolicy": "agentenv.rollout",
+    "TransformersPolicy": "agentenv.rollout",
+    "collect": "agentenv.rollout",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'agentenv' has no attribute {name!r}")
+
+
 __all__ = [
+    *_LAZY,
     "SPLITS",
     "ActionParser",
     "ChatModelPolicy",
