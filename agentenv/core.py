@@ -125,6 +125,8 @@ class ToolEnv(TextEnv):
         max_turns: Most actions per episode before ``truncated``.
         tool_timeout_s: Wall-clock limit per tool call.
         max_output_chars: Longest tool output shown to the model.
+        system_prompt: Replaces the whole generated system prompt (instructions plus
+            tool descriptions) with this text, e.g. a compact one for small models.
         render_mode: ``None`` or ``"ansi"``.
     """
 
@@ -137,9 +139,11 @@ class ToolEnv(TextEnv):
         max_turns: int = 5,
         tool_timeout_s: float = 10.0,
         max_output_chars: int = 2000,
+        system_prompt: str | None = None,
         render_mode: str | None = None,
     ):
         super().__init__(split=split, render_mode=render_mode)
+        self._system_prompt = system_prompt
         if max_turns < 1:
             raise InvalidOptionError(f"max_turns must be >= 1, got {max_turns}")
         self.tools = list(tools)
@@ -169,9 +173,20 @@ class ToolEnv(TextEnv):
     def on_reset(self, task: Task) -> None:
         """Per-episode setup after the task is chosen (default: nothing)."""
 
+    def demonstration(self, task: Task) -> list[str] | None:
+        """Expert actions that solve ``task`` (one string per turn), or ``None``.
+
+        Used to build supervised warm-start data (``agentenv sft``): the actions are
+        replayed through the env, so demonstrations get the same tokenization and
+        masks as sampled episodes. Override in envs that can solve their tasks.
+        """
+        return None
+
     # ---- gymnasium API ----------------------------------------------------------------
     def system_prompt(self) -> str:
         """The full system prompt: :meth:`instructions` plus the parser's tool instructions."""
+        if self._system_prompt is not None:
+            return self._system_prompt
         return f"{self.instructions()}\n\n{self.parser.format_instructions(self.tools)}"
 
     def reset(

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
 
 from agentenv.core import Task, ToolEnv
+from agentenv.errors import InvalidOptionError
 from agentenv.parsers import ActionParser
 from agentenv.tools import tool
 from envs.calculator.safe_eval import evaluate, format_number
 from envs.calculator.tasks import load_tasks
+
+COMPACT_PROMPT = (
+    "Solve the problem with the calculator tool. Call it like this:\n"
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * (3 + 4)"}}</tool_call>\n'
+    "When you have the result, reply with <answer>the number</answer>."
+)
+"""A ~50-token system prompt for small models and CPU training (``prompt_style="compact"``)."""
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
@@ -71,6 +80,8 @@ class CalculatorEnv(ToolEnv):
         parser: Action parser (default Hermes ``<tool_call>`` / ``<answer>``).
         tool_timeout_s: Wall-clock limit per calculator call.
         max_output_chars: Longest tool output shown.
+        prompt_style: ``"full"`` (instructions plus the tool's JSON schema) or
+            ``"compact"`` (:data:`COMPACT_PROMPT`, a short example-based prompt).
         render_mode: ``None`` or ``"ansi"``.
     """
 
@@ -89,8 +100,13 @@ class CalculatorEnv(ToolEnv):
         parser: ActionParser | None = None,
         tool_timeout_s: float = 2.0,
         max_output_chars: int = 500,
+        prompt_style: str = "full",
         render_mode: str | None = None,
     ):
+        if prompt_style not in ("full", "compact"):
+            raise InvalidOptionError(
+                f"prompt_style must be 'full' or 'compact', got {prompt_style!r}"
+            )
         super().__init__(
             [calculator],
             split=split,
@@ -98,6 +114,7 @@ class CalculatorEnv(ToolEnv):
             max_turns=max_turns,
             tool_timeout_s=tool_timeout_s,
             max_output_chars=max_output_chars,
+            system_prompt=COMPACT_PROMPT if prompt_style == "compact" else None,
             render_mode=render_mode,
         )
         self.source = source
@@ -119,6 +136,21 @@ class CalculatorEnv(ToolEnv):
             "You solve math problems. Use the calculator tool for every arithmetic step, "
             "then give only the final number in <answer></answer> tags."
         )
+
+    def demonstration(self, task: Task) -> list[str] | None:
+        """One calculator call with the task's expression, then the answer.
+
+        Available for sources whose tasks carry an expression (``word_problems``,
+        ``basic_arithmetic``); ``None`` otherwise.
+        """
+        expression = task.metadata.get("expression")
+        if not expression:
+            return None
+        payload = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        return [
+            f"<tool_call>{payload}</tool_call>",
+            f"<answer>{format_number(evaluate(expression))}</answer>",
+        ]
 
     def score(self, answer: str, task: Task) -> tuple[float, dict[str, Any]]:
         value = parse_number(answer)

@@ -9,6 +9,8 @@ Sources:
 
 * ``"gsm_symbolic"`` (default) and ``"basic_arithmetic"``: generated offline by the
   ``reasoning-gym`` package; ``config`` is passed to its dataset config.
+* ``"word_problems"``: two-step arithmetic word problems from
+  :mod:`envs.calculator.word_problems` (offline; each task carries its expression).
 * ``"gsm8k"``: ``path=None`` loads the hub dataset ``openai/gsm8k`` (needs the hub;
   its own train/test splits are used); ``path="file.jsonl"`` or ``.parquet`` loads a
   local file with ``question`` and ``answer`` columns (GSM8K's ``... #### 72``
@@ -27,7 +29,7 @@ from typing import Any
 from agentenv.core import Task
 from agentenv.errors import InvalidOptionError, TaskSourceError
 
-GENERATED_SOURCES = ("gsm_symbolic", "basic_arithmetic")
+GENERATED_SOURCES = ("gsm_symbolic", "basic_arithmetic", "word_problems")
 SOURCES = (*GENERATED_SOURCES, "gsm8k")
 TEST_FRACTION = 0.2
 DEFAULT_NUM_TASKS = {"train": 2000, "test": 500}
@@ -114,13 +116,11 @@ def _load_cached(
 def _generated(
     source: str, split: str, n: int, config: dict[str, Any], seed: int
 ) -> tuple[Task, ...]:
-    import reasoning_gym
-
     frac = TEST_FRACTION if split == "test" else 1 - TEST_FRACTION
     size = int(n / frac * 1.3) + 16
     for _ in range(4):  # grow the pool if duplicates left us short
         try:
-            dataset = reasoning_gym.create_dataset(source, size=size, seed=seed, **config)
+            dataset = _create(source, size, seed, config)
         except (TypeError, ValueError, AssertionError) as exc:
             raise TaskSourceError(
                 f"reasoning-gym rejected config {config} for {source!r}: {exc}"
@@ -142,6 +142,26 @@ def _generated(
         f"{source!r} produced only {len(tasks)} distinct {split} tasks, fewer than "
         f"num_tasks={n}; lower num_tasks or widen the generator config"
     )
+
+
+def _create(source: str, size: int, seed: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Items ``{"question", "answer", "metadata": {"expression"?}}`` of a generated source."""
+    if source == "word_problems":
+        from envs.calculator import word_problems
+
+        if config:
+            raise TypeError(f"word_problems takes no config, got {config}")
+        return [
+            {
+                "question": p.question,
+                "answer": str(p.answer),
+                "metadata": {"expression": p.expression},
+            }
+            for p in word_problems.generate(size, seed)
+        ]
+    import reasoning_gym
+
+    return list(reasoning_gym.create_dataset(source, size=size, seed=seed, **config))
 
 
 def _dedupe(tasks: Any) -> list[Task]:

@@ -155,3 +155,36 @@ def test_bad_options_name_the_value():
     with pytest.raises(InvalidOptionError, match="num_tasks"):
         CalculatorEnv(num_tasks=0)
     assert parse_gsm8k_answer("so 5 * 2 = 10\n#### 1,000") == "1000"
+
+
+@pytest.mark.parametrize("source", ["word_problems", "basic_arithmetic"])
+def test_demonstrations_solve_their_tasks(source):
+    env = agentenv.make("Calculator-v0", source=source, prompt_style="compact")
+    for task_id in range(20):
+        env.reset(options={"task_id": task_id})
+        actions = iter(env.demonstration(env.task))
+        result = agentenv.play_episode(env, lambda _: next(actions), options={"task_id": task_id})
+        assert result.reward == 1.0 and result.info["num_tool_calls"] == 1
+    gsm = agentenv.make("Calculator-v0", source="gsm_symbolic")
+    gsm.reset(seed=0)
+    assert gsm.demonstration(gsm.task) is None  # no expression to demonstrate
+
+
+def test_word_problems_are_deterministic_two_step_and_disjoint():
+    from envs.calculator import word_problems
+    from envs.calculator.safe_eval import evaluate
+
+    a, b = word_problems.generate(50, seed=3), word_problems.generate(80, seed=3)
+    assert a == b[:50]  # growing the size only appends
+    assert all(evaluate(p.expression) == p.answer for p in b)
+    assert all(sum(p.expression.count(op) for op in "+-*/") >= 2 for p in b)
+    train, test = load_tasks("word_problems", "train"), load_tasks("word_problems", "test")
+    assert not {t.prompt for t in train} & {t.prompt for t in test}
+
+
+def test_compact_prompt_is_short_and_bad_style_refused(tokenizer):
+    env = agentenv.make("Calculator-v0", prompt_style="compact")
+    obs, _ = env.reset(seed=0)
+    assert len(tokenizer.encode(obs[0]["content"])) < 80
+    with pytest.raises(InvalidOptionError, match="prompt_style"):
+        CalculatorEnv(prompt_style="tiny")

@@ -1,0 +1,65 @@
+"""A self-contained HTML page showing sampled episodes token by token, coloured by mask.
+
+Policy tokens (mask 1) are green, environment/prompt/template tokens (mask 0) grey:
+a masking bug (a tool result in green, a sampled token in grey) is visible at once.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1100px}
+.ep{border:1px solid #ccc;border-radius:6px;margin:1em 0;padding:.6em}
+.meta{font-size:.9em;color:#333;margin-bottom:.4em}
+.toks{font-family:ui-monospace,monospace;white-space:pre-wrap;font-size:.85em;line-height:1.5}
+.p{background:#c8f0c8}.e{background:#eee;color:#555}
+.legend span{padding:0 .4em;margin-right:1em}
+"""
+
+
+def episode_files(run_dir: str | Path) -> list[Path]:
+    """The run's ``episodes/step_*.jsonl`` files, oldest first."""
+    return sorted((Path(run_dir) / "episodes").glob("step_*.jsonl"))
+
+
+def render_html(run_dir: str | Path, step: int | None = None, max_episodes: int = 32) -> Path:
+    """Write ``run_dir/viewer/step_N.html`` for ``step`` (default: the latest) and return it."""
+    files = episode_files(run_dir)
+    if not files:
+        raise FileNotFoundError(f"no episodes/step_*.jsonl in {run_dir}: nothing to show")
+    if step is None:
+        path = files[-1]
+    else:
+        path = Path(run_dir) / "episodes" / f"step_{step:06d}.jsonl"
+        if not path.exists():
+            steps = ", ".join(str(int(f.stem.split("_")[1])) for f in files)
+            raise FileNotFoundError(f"no episodes for step {step}; available steps: {steps}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    parts = [
+        f"<html><head><meta charset='utf-8'><title>{path.stem}</title>",
+        f"<style>{_STYLE}</style></head><body><h2>{html.escape(str(run_dir))}: "
+        f"{path.stem}</h2><div class='legend'><span class='p'>policy token (mask 1)</span>"
+        "<span class='e'>environment / prompt (mask 0)</span></div>",
+    ]
+    for i, row in enumerate(rows[:max_episodes]):
+        adv = row.get("advantage")
+        meta = (
+            f"episode {i} &middot; group {row['group']} &middot; reward {row['reward']:g}"
+            f" &middot; advantage {'n/a' if adv is None else f'{adv:+.3f}'} &middot; "
+            f"turns {row['num_turns']} &middot; stop {html.escape(row['stop_reason'])}"
+        )
+        toks = "".join(
+            f"<span class='{'p' if m else 'e'}' title='{t}'>{html.escape(s)}</span>"
+            for t, m, s in zip(row["input_ids"], row["action_mask"], row["tokens"], strict=True)
+        )
+        parts.append(
+            f"<div class='ep'><div class='meta'>{meta}</div><div class='toks'>{toks}</div></div>"
+        )
+    parts.append("</body></html>")
+    out = Path(run_dir) / "viewer" / f"{path.stem}.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(parts))
+    return out
