@@ -38,3 +38,14 @@ def smollm2():
     from agentenv.models import load
 
     return load("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tokenizer, tmp_path_factory):
+    """A tiny random model and SmolLM2's tokenizer saved as a local HF folder (a ``--model``)."""
+    from agentenv.models import tiny_model as build
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    build(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -163,7 +163,9 @@ def test_demonstrations_solve_their_tasks(source):
     for task_id in range(20):
         env.reset(options={"task_id": task_id})
         actions = iter(env.demonstration(env.task))
-        result = agentenv.play_episode(env, lambda _: next(actions), options={"task_id": task_id})
+        result = agentenv.play_episode(
+            env, lambda _, it=actions: next(it), options={"task_id": task_id}
+        )
         assert result.reward == 1.0 and result.info["num_tool_calls"] == 1
     gsm = agentenv.make("Calculator-v0", source="gsm_symbolic")
     gsm.reset(seed=0)

@@ -1,0 +1,297 @@
+"""The training loop: collect B x G episodes, learn with GRPO, log, evaluate, checkpoint.
+
+    run = agentenv.train("Calculator-v0", config=TrainConfig(steps=20))
+
+Each step reads as one pass: ``collect -> algorithm.learn -> log -> (eval) -> (save)``.
+The run directory holds ``config.json``, ``metrics.jsonl``, TensorBoard events,
+``episodes/step_N.jsonl``, ``checkpoints/step_N`` (written atomically) and, at the end,
+``plots/*.png`` and ``eval/{before,after}.json``. ``resume=True`` continues from the
+last complete checkpoint; task seeds are a function of ``(seed, step)``, so a resumed
+run sees the same tasks an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from agentenv.errors import InvalidOptionError
+
+
+def _f(default: Any, help: str) -> Any:
+    if isinstance(default, dict | list):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; ``config.json`` in the run directory is this."""
+
+    env_id: str = _f("Calculator-v0", "Registered environment id.")
+    env_kwargs: dict[str, Any] = _f({}, "Constructor arguments of the env (both splits).")
+    model: str = _f("smollm2-135m-instruct", "Model alias, Hugging Face id or local path.")
+    init_from: str | None = _f(None, "Checkpoint folder (e.g. from `agentenv sft`) to start from.")
+    steps: int = _f(20, "GRPO steps (one batch of B x G episodes each).")
+    batch_size: int = _f(4, "Tasks per step (B).")
+    group_size: int = _f(8, "Episodes per task (G).")
+    max_turns: int = _f(3, "Policy turns per episode.")
+    max_new_tokens: int = _f(64, "Tokens per policy turn.")
+    max_episode_tokens: int = _f(1024, "Token budget per episode.")
+    temperature: float = _f(1.0, "Sampling temperature of training rollouts.")
+    eval_every: int = _f(0, "Evaluate every N steps (0: only before and after training).")
+    eval_tasks: int = _f(50, "Test-split tasks per evaluation (0: no evaluation).")
+    save_every: int = _f(10, "Checkpoint every N steps (and always at the end).")
+    keep_checkpoints: int = _f(2, "Most recent checkpoints kept.")
+    log_episodes: int = _f(8, "Episodes written to episodes/step_N.jsonl per step.")
+    output_dir: str | None = _f(None, "Run directory (default runs/<env>-<time>).")
+    device: str | None = _f(None, "cpu or cuda (default: cuda if available, else cpu).")
+    dtype: str = _f("float32", "Model dtype: float32, bfloat16 or float16.")
+    seed: int = _f(0, "Seed of task sampling, generation and LoRA init.")
+    tensorboard: bool = _f(True, "Write TensorBoard events.")
+    wandb_project: str | None = _f(None, "Log to this W&B project (needs `pip install wandb`).")
+    grpo: dict[str, Any] = _f({}, "GRPOConfig overrides, e.g. {'learning_rate': 1e-4}.")
+
+    def __post_init__(self) -> None:
+        for name in (
+            "steps",
+            "batch_size",
+            "group_size",
+            "max_turns",
+            "max_new_tokens",
+            "save_every",
+            "keep_checkpoints",
+        ):
+            if getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.eval_tasks < 0 or self.log_episodes < 0:
+            raise InvalidOptionError("eval_every, eval_tasks and log_episodes must be >= 0")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        """Read a YAML or JSON file of :class:`TrainConfig` fields; ``overrides`` win."""
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidOptionError(
+                f"unknown config key(s) {unknown} in {path}; known: {sorted(known)}"
+            )
+        return cls(**{**data, **overrides})
+
+
+def task_seeds(seed: int, step: int, n: int) -> list[int]:
+    """The reset seeds of step ``step``'s tasks (a pure function: resumes see the same)."""
+    rng = random.Random(f"{seed}-{step}")
+    return [rng.randrange(2**31) for _ in range(n)]
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _episode_stats(groups: list[list[Any]]) -> dict[str, float]:
+    eps = [e for g in groups for e in g]
+    n = len(eps)
+    return {
+        "episodes/correct_rate": sum(bool(e.info.get("correct")) for e in eps) / n,
+        "episodes/answer_rate": sum("answer" in e.info for e in eps) / n,
+        "episodes/tool_call_rate": sum(e.info.get("num_tool_calls", 0) > 0 for e in eps) / n,
+        "episodes/mean_turns": sum(e.num_turns for e in eps) / n,
+        "episodes/mean_policy_tokens": sum(e.num_policy_tokens for e in eps) / n,
+    }
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    from algorithms.checkpoint import _complete_step
+
+    done = sorted((s, p) for p in ckpt_dir.iterdir() if (s := _complete_step(p)) is not None)
+    for _, path in done[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def train(
+    env_id: str | None = None,
+    *,
+    model: str | None = None,
+    config: TrainConfig | None = None,
+    resume: bool = False,
+) -> Path:
+    """Train a policy on ``env_id`` with GRPO; return the run directory.
+
+    Args:
+        env_id: Overrides ``config.env_id``.
+        model: Overrides ``config.model``.
+        config: The run's settings (default :class:`TrainConfig`).
+        resume: Continue the run in ``config.output_dir`` from its last complete checkpoint.
+    """
+    from agentenv import models
+    from agentenv.episode import ChatFormat
+    from agentenv.evaluate import EvalConfig, evaluate, format_table
+    from agentenv.plots import plot_run
+    from agentenv.registration import make
+    from agentenv.rollout import RolloutConfig, SamplingConfig, TransformersPolicy, collect
+    from agentenv.tracking import RunLogger
+    from algorithms.checkpoint import latest_checkpoint
+    from algorithms.grpo import GRPO, GRPOConfig, compute_advantages
+
+    config = config or TrainConfig()
+    config = dataclasses.replace(
+        config, env_id=env_id or config.env_id, model=model or config.model
+    )
+    run_dir = Path(
+        config.output_dir or f"runs/{config.env_id.split('/')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    if resume and not (run_dir / "config.json").exists():
+        raise InvalidOptionError(f"--resume needs an existing run in {run_dir} (no config.json)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(run_dir / "config.json", dataclasses.asdict(config))
+    make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
+
+    torch.manual_seed(config.seed)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    policy_model, tokenizer = models.load(config.model, dtype=config.dtype, device=device)
+    if config.init_from:
+        policy_model = load_from_checkpoint(policy_model, Path(config.init_from))
+    grpo_cfg = GRPOConfig(
+        **{
+            "group_size": config.group_size,
+            "temperature": config.temperature,
+            "seed": config.seed,
+            "total_steps": config.steps,
+            **config.grpo,
+        }
+    )
+    algo = GRPO(policy_model, tokenizer, grpo_cfg)
+    start = 0
+    ckpt_dir = run_dir / "checkpoints"
+    if resume and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
+        algo.load(ckpt)
+        start = algo.step
+    logger = RunLogger(
+        run_dir,
+        resume_step=start if resume else None,
+        tensorboard=config.tensorboard,
+        wandb_project=config.wandb_project,
+        config=dataclasses.asdict(config),
+    )
+    fmt = ChatFormat(tokenizer)
+    policy = TransformersPolicy(algo.unwrapped_model, tokenizer)
+    sampling = SamplingConfig(config.max_new_tokens, temperature=config.temperature)
+    rollout = RolloutConfig(
+        config.group_size,
+        config.max_turns,
+        config.max_episode_tokens,
+        sampling,
+        show_progress=False,
+    )
+    eval_cfg = EvalConfig(
+        num_tasks=config.eval_tasks or None,
+        max_turns=config.max_turns,
+        max_new_tokens=config.max_new_tokens,
+        max_episode_tokens=config.max_episode_tokens,
+    )
+
+    def train_env():  # noqa: ANN202
+        return make(config.env_id, split="train", **config.env_kwargs)
+
+    def test_env():  # noqa: ANN202
+        return make(config.env_id, split="test", **config.env_kwargs)
+
+    def run_eval(label: str):  # noqa: ANN202
+        report = evaluate(test_env, policy, fmt, eval_cfg, label=label, show_progress=False)
+        report.save(run_dir / "eval" / f"{label}.json")
+        return report
+
+    before = None
+    if config.eval_tasks and start == 0:
+        before = run_eval("before")
+        logger.log(0, {f"eval/{k}": v for k, v in before.metrics.items()})
+    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc="train")
+    for step in bar:
+        t0 = time.perf_counter()
+        groups, metrics = collect(
+            train_env, task_seeds(config.seed, step, config.batch_size), policy, fmt, rollout
+        )
+        metrics.update(algo.learn(groups))
+        metrics.update(_episode_stats(groups))
+        done = step + 1
+        if (
+            config.eval_tasks
+            and config.eval_every
+            and done % config.eval_every == 0
+            and done < config.steps
+        ):
+            metrics.update({f"eval/{k}": v for k, v in run_eval(f"step_{done}").metrics.items()})
+        metrics["time/step_s"] = time.perf_counter() - t0
+        logger.log(done, metrics)
+        if config.log_episodes:
+            rewards = torch.tensor([[e.reward for e in g] for g in groups])
+            adv = compute_advantages(rewards, grpo_cfg.advantage_norm).flatten().tolist()
+            eps = [e for g in groups for e in g]
+            logger.log_episodes(
+                done, eps[: config.log_episodes], tokenizer, adv[: config.log_episodes]
+            )
+        if done % config.save_every == 0 or done == config.steps:
+            algo.save(ckpt_dir / f"step_{done:06d}")
+            _prune(ckpt_dir, config.keep_checkpoints)
+        bar.set_postfix(
+            reward=f"{metrics['rewards/mean']:.2f}",
+            kl=f"{metrics['kl']:.3g}",
+            s_per_step=f"{metrics['time/step_s']:.0f}",
+        )
+    if config.eval_tasks:
+        after = run_eval("after")
+        logger.log(config.steps, {f"eval/{k}": v for k, v in after.metrics.items()})
+        before = before or _maybe_load(run_dir / "eval" / "before.json")
+        print(format_table([before, after]) if before else format_table([after]))
+    logger.close()
+    plots = plot_run(run_dir)
+    print(f"run directory: {run_dir}\nplots: {', '.join(str(p) for p in plots)}")
+    return run_dir
+
+
+def _maybe_load(path: Path) -> Any:
+    from agentenv.evaluate import EvalReport
+
+    return EvalReport.load(path) if path.exists() else None
+
+
+def load_from_checkpoint(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
+    """Apply a checkpoint's weights to a freshly loaded base model.
+
+    A LoRA checkpoint (``folder/adapter``) returns a trainable ``PeftModel``; a full
+    checkpoint (``folder/model``) is loaded into ``model`` in place.
+    """
+    folder = Path(folder)
+    from peft import PeftModel
+
+    if (folder / "adapter").is_dir():
+        return PeftModel.from_pretrained(model, str(folder / "adapter"), is_trainable=True)
+    if (folder / "model").is_dir():
+        from algorithms.checkpoint import _load_full_model
+
+        _load_full_model(model, folder / "model")
+        return model
+    raise InvalidOptionError(
+        f"init_from={str(folder)!r} has neither adapter/ nor model/; pass a checkpoint folder "
+        "written by `agentenv sft` or `agentenv train` (e.g. RUN/checkpoints/step_000010)"
+    )

@@ -1,0 +1,42 @@
+"""LoRA adapters via peft, shared by the algorithms."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+
+def apply_lora(
+    model: torch.nn.Module,
+    r: int,
+    alpha: int,
+    dropout: float,
+    target_modules: Sequence[str],
+    seed: int,
+) -> torch.nn.Module:
+    """Wrap ``model`` with fresh LoRA adapters, or keep a PeftModel's own adapters trainable.
+
+    A model that already is a :class:`peft.PeftModel` (e.g. loaded from an SFT
+    checkpoint to continue with GRPO) is returned as is, adapters unfrozen, so its
+    adapter-disabled base is still the reference policy. The adapter initialisation
+    is seeded with ``seed`` without touching the caller's RNG.
+    """
+    if isinstance(model, PeftModel):
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)
+        return model
+    config = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+    )
+    with torch.random.fork_rng(), warnings.catch_warnings():
+        torch.manual_seed(seed)
+        # peft 0.21 reads a property transformers 5 deprecated; nothing to act on
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        return get_peft_model(model, config)
