@@ -247,9 +247,15 @@ class EpisodeBuilder:
 
 
 def collate(
-    episodes: Sequence[Episode], advantages: Sequence[float], pad_token_id: int
+    episodes: Sequence[Any], advantages: Sequence[float], pad_token_id: int
 ) -> dict[str, torch.Tensor]:
     """Right-pad episodes into the tensors the algorithm consumes.
+
+    Args:
+        episodes: :class:`Episode` objects (anything with ``input_ids``, ``action_mask``,
+            ``logprobs`` and ``reward``).
+        advantages: One advantage per episode (computed by the algorithm).
+        pad_token_id: Id used for padding.
 
     Returns:
         ``input_ids`` (N, T) long, ``attention_mask`` (N, T) long, ``action_mask`` (N, T)

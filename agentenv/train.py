@@ -121,9 +121,9 @@ def _episode_stats(groups: list[list[Any]]) -> dict[str, float]:
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
-    from algorithms.checkpoint import _complete_step
+    from algorithms.checkpoint import checkpoint_step
 
-    done = sorted((s, p) for p in ckpt_dir.iterdir() if (s := _complete_step(p)) is not None)
+    done = sorted((s, p) for p in ckpt_dir.iterdir() if (s := checkpoint_step(p)) is not None)
     for _, path in done[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -287,9 +287,9 @@ def load_from_checkpoint(model: torch.nn.Module, folder: str | Path) -> torch.nn
     if (folder / "adapter").is_dir():
         return PeftModel.from_pretrained(model, str(folder / "adapter"), is_trainable=True)
     if (folder / "model").is_dir():
-        from algorithms.checkpoint import _load_full_model
+        from algorithms.checkpoint import load_model_weights
 
-        _load_full_model(model, folder / "model")
+        load_model_weights(model, folder / "model")
         return model
     raise InvalidOptionError(
         f"init_from={str(folder)!r} has neither adapter/ nor model/; pass a checkpoint folder "

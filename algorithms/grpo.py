@@ -1,0 +1,637 @@
+"""Group Relative Policy Optimization (GRPO) on tokenized multi-turn episodes.
+
+One :meth:`GRPO.learn` call is one training step and reads as one pass::
+
+    rewards (B, G) -> compute_advantages -> collate + pack micro-batches
+    -> per iteration: token_logprobs -> policy_loss -> backward (accumulate) -> clip -> step
+    -> LR scheduler step -> metrics
+
+Design decisions:
+
+* **Old-policy log-probs** (the ratio's denominator) are recomputed by the trainer, never
+  taken from the sampler: generate() uses other kernels, batch shapes and a KV cache, and with
+  top-p/top-k samples from a truncated distribution, so its log-probs differ from a training
+  forward of the same weights (TRL and verl recompute too). Iteration 0's forward runs under
+  the pre-update weights, so its detached log-probs *are* the old policy's: with
+  ``num_iterations == 1`` the ratio is exactly 1 and no extra pass is made; with more
+  iterations they are cached per micro-batch and reused (the values a separate no-grad pass
+  would give, for free). The sampler gap is logged as ``sampler/logprob_abs_diff_mean``.
+* **Normalisation** uses whole-batch counts summed over micro-batches and processes, so
+  gradient accumulation gives the gradient of one big batch. ``grpo``/``gspo``: mean over each
+  sequence's policy tokens, then over sequences. ``dapo``: sum over policy tokens / their
+  number. ``dr_grpo``: sum / (sequences * ``max_completion_length``; default: the batch's
+  largest policy-token count).
+* **Advantages**: reward minus group mean; ``mean_std`` divides by the population std
+  (``correction=0``: the normalised group has unit std for any G) plus eps. A group whose
+  rewards are all equal gets exactly zero advantages.
+* **Zero-variance groups** carry no policy gradient. With ``beta == 0`` they are dropped before
+  the forward pass and from every normaliser (DAPO's dynamic-sampling filter without
+  resampling): the update equals that of the batch without them. With ``beta > 0`` they stay,
+  since the KL term still applies.
+* **Reference policy** (``beta > 0`` only): with LoRA the same model under
+  ``disable_adapter()``; with full fine-tuning a frozen copy of the model as passed in.
+* **LR schedule** counts ``learn()`` calls; every iteration of one call uses the same LR. The
+  scheduler is not given to ``accelerator.prepare``, which would step it once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from peft import PeftModel
+from transformers import get_scheduler
+
+from agentenv.episode import collate as collate_episodes
+from agentenv.errors import InvalidOptionError
+from algorithms.lora import apply_lora
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
+ADVANTAGE_NORMS = ("mean_std", "mean_only")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+_CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class EpisodeLike(Protocol):
+    """What :meth:`GRPO.learn` reads from an episode (``agentenv.episode.Episode`` has it)."""
+
+    input_ids: list[int]  # the whole episode: prompt, policy and environment tokens
+    action_mask: list[int]  # 1 exactly on tokens the policy sampled
+    logprobs: list[float]  # the sampler's log-prob at mask-1 positions, 0.0 elsewhere
+    reward: float
+
+
+def _field(default: Any, help_text: str) -> Any:
+    """A dataclass field with a TRL-style ``metadata={"help": ...}``."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help_text})
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class GRPOConfig:
+    """Hyper-parameters of :class:`GRPO`; validated across fields on construction."""
+
+    group_size: int = _field(8, "Episodes per task (G); needs >= 2.")
+    learning_rate: float | None = _field(
+        None, "Peak AdamW LR. None: 5e-5 with LoRA (adapters want a larger LR), 1e-5 full FT."
+    )
+    beta: float = _field(0.0, "k3 KL coefficient to the reference; 0: no reference at all.")
+    epsilon_low: float = _field(0.2, "Ratio clip below, 1 - epsilon_low (gspo: 3e-4).")
+    epsilon_high: float = _field(
+        0.2, "Ratio clip above, 1 + epsilon_high. DAPO clip-higher: 0.28; gspo: 4e-4."
+    )
+    loss_type: str = _field(
+        "dapo",
+        "grpo | dr_grpo | dapo | gspo. dapo (TRL's default) normalises per token: every policy "
+        "token weighs the same, so long multi-turn episodes are not down-weighted.",
+    )
+    advantage_norm: str = _field(
+        "mean_std", "mean_std: (r - mean) / (std + eps); mean_only: r - mean (Dr. GRPO's)."
+    )
+    num_iterations: int = _field(1, "Optimizer steps per batch (mu); > 1 reuses it, clipped.")
+    micro_batch_tokens: int = _field(4096, "Sequences x padded length per forward/backward.")
+    max_grad_norm: float = _field(1.0, "Global gradient-norm clip.")
+    weight_decay: float = _field(0.0, "AdamW weight decay.")
+    warmup_steps: int = _field(0, "Linear LR warmup, in learn() calls.")
+    lr_scheduler: str = _field("constant", "constant | linear | cosine (to 0 at total_steps).")
+    total_steps: int | None = _field(None, "learn() calls in the run; linear/cosine need it.")
+    use_lora: bool = _field(True, "Train LoRA adapters (peft); False: full fine-tuning.")
+    lora_r: int = _field(16, "LoRA rank.")
+    lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = _field(0.0, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = _field(LORA_TARGETS, "Module names that get adapters.")
+    gradient_checkpointing: bool = _field(False, "Recompute activations: less memory, slower.")
+    temperature: float = _field(1.0, "Sampler temperature; logits are divided by it.")
+    seed: int = _field(0, "Seed of the LoRA initialisation.")
+    max_completion_length: int | None = _field(
+        None, "dr_grpo's per-sequence denominator; None: the batch's max policy tokens."
+    )
+
+    def __post_init__(self) -> None:
+        if self.learning_rate is None:
+            self.learning_rate = 5e-5 if self.use_lora else 1e-5
+        choices = {
+            "loss_type": LOSS_TYPES,
+            "advantage_norm": ADVANTAGE_NORMS,
+            "lr_scheduler": LR_SCHEDULERS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise InvalidOptionError(
+                    f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
+        checks = [
+            (self.group_size >= 2, "group_size", "needs >= 2 for group-relative advantages"),
+            (self.learning_rate > 0, "learning_rate", "must be > 0"),
+            (self.beta >= 0, "beta", "must be >= 0 (0 disables the KL term)"),
+            (0 <= self.epsilon_low < 1, "epsilon_low", "must be in [0, 1)"),
+            (self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
+            (self.num_iterations >= 1, "num_iterations", "must be >= 1"),
+            (self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1"),
+            (self.max_grad_norm > 0, "max_grad_norm", "must be > 0"),
+            (self.weight_decay >= 0, "weight_decay", "must be >= 0"),
+            (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
+            (self.lora_r >= 1, "lora_r", "must be >= 1"),
+            (0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)"),
+            (bool(self.lora_target_modules), "lora_target_modules", "must name >= 1 module"),
+            (self.temperature > 0, "temperature", "must be > 0"),
+            (
+                self.max_completion_length is None or self.max_completion_length >= 1,
+                "max_completion_length",
+                "must be None or >= 1",
+            ),
+            (
+                self.total_steps is None or self.total_steps >= max(1, self.warmup_steps),
+                "total_steps",
+                f"must be None or >= max(1, warmup_steps={self.warmup_steps})",
+            ),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise InvalidOptionError(f"{name} {rule}, got {getattr(self, name)!r}")
+        if self.lr_scheduler != "constant" and self.total_steps is None:
+            raise InvalidOptionError(
+                f"lr_scheduler={self.lr_scheduler!r} decays over total_steps, got "
+                "total_steps=None; set total_steps=<learn() calls> or lr_scheduler='constant'"
+            )
+
+
+def compute_advantages(
+    rewards: torch.Tensor, norm: str = "mean_std", eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantages of rewards ``(B, G)``: one row per group; returns ``(B, G)``.
+
+    The group mean is subtracted; ``mean_std`` also divides by the population std plus
+    ``eps``. Rows whose rewards are all equal get exactly 0.
+    """
+    if rewards.dim() != 2 or norm not in ADVANTAGE_NORMS:
+        raise InvalidOptionError(
+            f"expected rewards (B, G) and norm in {ADVANTAGE_NORMS}, got "
+            f"shape {tuple(rewards.shape)} and norm={norm!r}"
+        )
+    advantages = rewards - rewards.mean(dim=1, keepdim=True)  # (B, G)
+    if norm == "mean_std":
+        advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
+    zero_std = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (B, 1)
+    return advantages.masked_fill(zero_std, 0.0)
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits).gather(-1, index)`` for logits ``(N, T, V)``, index ``(N, T)``.
+
+    Computes ``logit[index] - logsumexp(logits)`` one row at a time in float32, so no
+    ``(N, T, V)`` log-softmax copy is made. Returns float32 ``(N, T)``.
+    """
+    selected = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).float()  # (N, T)
+    logsumexp = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])  # (N, T)
+    return selected - logsumexp
+
+
+def _entropy(logits_row: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's distribution: ``(T, V) -> (T,)``."""
+    logp = torch.log_softmax(logits_row.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _forward_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward: per-token log-probs ``(N, T)`` (0 at position 0 and on padding), entropy."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1]  # position t-1 predicts token t; (N, T-1, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = F.pad(selective_log_softmax(logits, input_ids[:, 1:]), (1, 0))  # (N, T)
+    logp = logp.masked_fill(attention_mask == 0, 0.0)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = F.pad(torch.stack([_entropy(row) for row in logits]), (1, 0))  # (N, T)
+    return logp, entropy
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Log-prob of every token under ``model``, aligned to input positions: ``(N, T)``.
+
+    Sequences must be right-padded (positions are counted from 0, as in :func:`collate`).
+    Position 0 and padding get 0. At most ``chunk_size`` sequences (default: all) have
+    full-vocabulary logits alive at once. Differentiable unless run under ``no_grad``.
+    """
+    rows = chunk_size or input_ids.shape[0]
+    return torch.cat(
+        [
+            _forward_logprobs(
+                model, input_ids[i : i + rows], attention_mask[i : i + rows], temperature
+            )[0]
+            for i in range(0, input_ids.shape[0], rows)
+        ]
+    )
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    config: GRPOConfig,
+    ref_logp: torch.Tensor | None = None,
+    *,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+    completion_length: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss (+ beta * k3 KL) of ``config.loss_type``.
+
+    Args:
+        logp: Current log-probs ``(N, T)`` (with grad). old_logp, ref_logp: same shape.
+        advantages: One advantage per sequence ``(N,)``.
+        action_mask: ``(N, T)``, 1 on policy tokens; nothing else gets gradient.
+        config: Supplies loss_type, epsilon_low/high, beta, max_completion_length.
+        num_tokens, num_sequences, completion_length: Whole-batch normalisers when this is
+            one micro-batch of several (default: this batch's own counts).
+
+    Returns:
+        ``(loss, metrics)``; metrics: loss, kl, clip_ratio/{low,high,region}_mean (means over
+        this batch's policy tokens).
+    """
+    mask = action_mask.bool()  # (N, T)
+    maskf = mask.to(logp.dtype)
+    tokens_per_seq = maskf.sum(-1)  # (N,)
+    logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
+    log_ratio = logp - old_logp  # (N, T)
+    if config.loss_type == "gspo":  # GSPO-token: value s_i, gradient s_i * grad(logp_t)
+        seq_log_ratio = (log_ratio * maskf).sum(-1) / tokens_per_seq.clamp(min=1)  # (N,)
+        log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()  # (N, T)
+    ratio = torch.exp(log_ratio)  # (N, T)
+    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
+    low, high = 1 - config.epsilon_low, 1 + config.epsilon_high
+    pg_loss1 = -adv * ratio  # (N, T)
+    pg_loss2 = -adv * torch.clamp(ratio, low, high)  # (N, T)
+    per_token_loss = torch.maximum(pg_loss1, pg_loss2)  # (N, T)
+    kl = torch.zeros_like(per_token_loss)
+    if ref_logp is not None:
+        ref_delta = ref_logp.masked_fill(~mask, 0.0) - logp  # (N, T)
+        kl = torch.exp(ref_delta) - ref_delta - 1  # k3 estimator, >= 0
+        per_token_loss = per_token_loss + config.beta * kl
+    masked_loss = per_token_loss * maskf  # (N, T)
+    n_seq = num_sequences if num_sequences is not None else logp.shape[0]
+    if config.loss_type in ("grpo", "gspo"):
+        loss = (masked_loss.sum(-1) / tokens_per_seq.clamp(min=1)).sum() / n_seq
+    elif config.loss_type == "dapo":
+        loss = masked_loss.sum() / (num_tokens or tokens_per_seq.sum().clamp(min=1))
+    else:  # dr_grpo
+        length = completion_length or config.max_completion_length or tokens_per_seq.max()
+        loss = masked_loss.sum() / (n_seq * length)
+
+    with torch.no_grad():
+        n = maskf.sum().clamp(min=1)
+        is_low = (ratio < low) & (adv < 0) & mask
+        is_high = (ratio > high) & (adv > 0) & mask
+        metrics = {
+            "loss": loss.item(),
+            "kl": ((kl * maskf).sum() / n).item(),
+            "clip_ratio/low_mean": (is_low.sum() / n).item(),
+            "clip_ratio/high_mean": (is_high.sum() / n).item(),
+            "clip_ratio/region_mean": ((is_low | is_high).sum() / n).item(),
+        }
+    return loss, metrics
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors of a few episodes."""
+
+    input_ids: torch.Tensor  # (N, T)
+    attention_mask: torch.Tensor  # (N, T)
+    action_mask: torch.Tensor  # (N, T)
+    sampler_logprobs: torch.Tensor  # (N, T)
+    advantages: torch.Tensor  # (N,)
+
+
+def collate(
+    episodes: Sequence[EpisodeLike],
+    advantages: Sequence[float],
+    pad_token_id: int,
+    device: torch.device | str | None = None,
+) -> MicroBatch:
+    """Right-pad episodes (:func:`agentenv.episode.collate`) into a :class:`MicroBatch`."""
+    batch = collate_episodes(episodes, advantages, pad_token_id)
+    return MicroBatch(
+        input_ids=batch["input_ids"].to(device),
+        attention_mask=batch["attention_mask"].to(device),
+        action_mask=batch["action_mask"].long().to(device),
+        sampler_logprobs=batch["old_logprobs"].to(device),
+        advantages=batch["advantages"].to(device),
+    )
+
+
+def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group indices, longest first, while ``len(batch) * longest <= token_budget``.
+
+    A sequence longer than the budget gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class GRPO:
+    """GRPO trainer: ``GRPO(model, tokenizer, config).learn(groups) -> metrics``.
+
+    Attributes:
+        model: The trained model as prepared by accelerate (a PeftModel under LoRA).
+        optimizer, scheduler: AdamW over trainable parameters and its LR schedule.
+        step: Number of completed ``learn()`` calls (restored by :meth:`load`).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: GRPOConfig | None = None,
+        accelerator: Accelerator | None = None,
+    ) -> None:
+        self.config = cfg = config or GRPOConfig()
+        self.tokenizer = tokenizer
+        self.accelerator = accelerator or Accelerator()
+        self.step = 0
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        if cfg.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            if cfg.use_lora:
+                model.enable_input_require_grads()
+        if isinstance(model, PeftModel) and not cfg.use_lora:
+            raise InvalidOptionError(
+                "use_lora=False (full fine-tuning) got a PeftModel; pass use_lora=True to train "
+                "its adapter, or model.merge_and_unload() to fine-tune the merged weights"
+            )
+        self.ref_model = None
+        if cfg.beta > 0 and not cfg.use_lora:
+            self.ref_model = copy.deepcopy(model).requires_grad_(False).eval()
+            self.ref_model.to(self.accelerator.device)
+        if cfg.use_lora:  # a PeftModel (e.g. from SFT) keeps its adapter, made trainable
+            model = apply_lora(
+                model,
+                cfg.lora_r,
+                cfg.lora_alpha,
+                cfg.lora_dropout,
+                cfg.lora_target_modules,
+                cfg.seed,
+            )
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        name = cfg.lr_scheduler
+        if name == "constant" and cfg.warmup_steps:
+            name = "constant_with_warmup"
+        self.scheduler = get_scheduler(
+            name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.total_steps
+        )
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self._params = params
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The policy without distributed wrappers (use it for generation and saving)."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def save(self, path: str | Path) -> Path:
+        """Write a complete checkpoint atomically (see :mod:`algorithms.checkpoint`)."""
+        from algorithms.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path)
+
+    def load(self, path: str | Path) -> None:
+        """Restore weights, optimizer, scheduler, RNG and step from a checkpoint."""
+        from algorithms.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
+    def _flatten(self, groups: Sequence[Sequence[EpisodeLike]]) -> list[EpisodeLike]:
+        g = self.config.group_size
+        episodes = [ep for group in groups for ep in group]
+        if not episodes or any(len(group) != g for group in groups):
+            sizes = sorted({len(group) for group in groups})
+            raise InvalidOptionError(
+                f"expected groups of group_size={g} episodes, got group sizes {sizes}; pass "
+                "one inner sequence of episodes per task, or set GRPOConfig(group_size=...)"
+            )
+        for ep in episodes:
+            n = len(ep.input_ids)
+            if n < 2 or len(ep.action_mask) != n or len(ep.logprobs) != n or ep.action_mask[0]:
+                raise InvalidOptionError(
+                    f"expected an episode with >= 2 tokens, equally long input_ids, "
+                    f"action_mask and logprobs and action_mask[0] == 0, got lengths "
+                    f"{n}/{len(ep.action_mask)}/{len(ep.logprobs)}; build it with "
+                    "agentenv.episode"
+                )
+        return episodes
+
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
+        if self.config.beta == 0:
+            return None
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return token_logprobs(
+                    self.ref_model, mb.input_ids, mb.attention_mask, self.config.temperature
+                )
+            policy = self.unwrapped_model
+            with policy.disable_adapter():
+                return token_logprobs(
+                    policy, mb.input_ids, mb.attention_mask, self.config.temperature
+                )
+
+    def _global(self, values: list[float], reduction: str) -> list[float]:
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        tensor = tensor.to(self.accelerator.device)
+        return self.accelerator.reduce(tensor, reduction=reduction).tolist()
+
+    def learn(self, groups: Sequence[Sequence[EpisodeLike]]) -> dict[str, float]:
+        """One GRPO step on ``groups`` (one inner sequence of ``group_size`` episodes per task).
+
+        Returns:
+            Metrics averaged over the batch (and processes), slash-separated like TRL's.
+        """
+        start, cfg = time.perf_counter(), self.config
+        episodes = self._flatten(groups)
+        rewards = torch.tensor([[float(ep.reward) for ep in group] for group in groups])  # (B, G)
+        advantages = compute_advantages(rewards, cfg.advantage_norm)  # (B, G)
+        zero_std = (rewards == rewards[:, :1]).all(dim=1)  # (B,)
+        keep = [
+            i for i in range(len(episodes)) if cfg.beta > 0 or not zero_std[i // cfg.group_size]
+        ]
+        batches, totals = self._micro_batches(episodes, advantages.flatten().tolist(), keep)
+        lr = self.scheduler.get_last_lr()[0]
+        sums = self._optimize(batches, totals) if totals["num_tokens"] > 0 else {}
+        with warnings.catch_warnings():  # no optimizer step when every group had zero std
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+            self.scheduler.step()
+        self.step += 1
+
+        tokens, iters = max(sums.get("tokens", 0.0), 1.0), cfg.num_iterations
+        metrics = {key: sums.get(key, 0.0) / (tokens * iters) for key in _CLIP_KEYS}
+        metrics["loss"] = sums.get("loss", 0.0) / iters
+        metrics["entropy"] = sums.get("entropy", 0.0) / tokens
+        metrics["sampler/logprob_abs_diff_mean"] = sums.get("sampler_diff", 0.0) / tokens
+        metrics["grad_norm"] = sums.get("grad_norm", 0.0) / iters
+        metrics.update(self._batch_stats(rewards, advantages, zero_std, episodes))
+        metrics["tokens_per_second"] = sums.get("processed", 0.0) / (time.perf_counter() - start)
+        metrics["learning_rate"] = lr
+        metrics["step"] = float(self.step)
+        return metrics
+
+    def _batch_stats(
+        self,
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+        zero_std: torch.Tensor,
+        episodes: list[EpisodeLike],
+    ) -> dict[str, float]:
+        """Reward/advantage statistics over the whole batch (all processes, any split)."""
+        r, a = rewards.double(), advantages.double()  # (B, G)
+        policy_tokens = sum(sum(ep.action_mask) for ep in episodes)
+        all_tokens = sum(len(ep.input_ids) for ep in episodes)
+        s = self._global(
+            [
+                r.sum(),
+                r.square().sum(),
+                a.sum(),
+                a.square().sum(),
+                r.numel(),
+                zero_std.sum(),
+                zero_std.numel(),
+                policy_tokens,
+                all_tokens,
+            ],
+            "sum",
+        )
+        n = s[4]
+        return {
+            "rewards/mean": s[0] / n,
+            "rewards/std": max(s[1] / n - (s[0] / n) ** 2, 0.0) ** 0.5,
+            "advantages/mean": s[2] / n,
+            "advantages/std": max(s[3] / n - (s[2] / n) ** 2, 0.0) ** 0.5,
+            "frac_reward_zero_std": s[5] / s[6],
+            "trainable_token_ratio": s[7] / s[8],
+            "num_sequences": n,
+        }
+
+    def _micro_batches(
+        self, episodes: list[EpisodeLike], advantages: list[float], keep: list[int]
+    ) -> tuple[list[MicroBatch], dict[str, float]]:
+        """Pack the kept episodes by token budget; whole-batch normalisers over processes."""
+        cfg, device = self.config, self.accelerator.device
+        policy_counts = [sum(episodes[i].action_mask) for i in keep]
+        num_tokens, num_sequences = self._global([sum(policy_counts), len(keep)], "sum")
+        length = (
+            cfg.max_completion_length or self._global([max(policy_counts, default=0)], "max")[0]
+        )
+        packs = pack_micro_batches(
+            [len(episodes[i].input_ids) for i in keep], cfg.micro_batch_tokens
+        )
+        batches = [
+            collate(
+                [episodes[keep[j]] for j in pack],
+                [advantages[keep[j]] for j in pack],
+                self.pad_token_id,
+                device,
+            )
+            for pack in packs
+        ]
+        num_batches = int(self._global([len(batches)], "max")[0])
+        if num_batches > len(batches):  # same number of backward calls on every process
+            pad = SimpleNamespace(
+                input_ids=[self.pad_token_id] * 2, action_mask=[0, 0], logprobs=[0.0, 0.0]
+            )
+            batches += [collate([pad], [0.0], self.pad_token_id, device)] * (
+                num_batches - len(batches)
+            )
+        totals = {
+            "num_tokens": num_tokens,
+            "num_sequences": num_sequences,
+            "completion_length": length,
+        }
+        return batches, totals
+
+    def _optimize(self, batches: list[MicroBatch], totals: dict[str, float]) -> dict[str, float]:
+        """Run ``num_iterations`` accumulated optimizer steps; return global metric sums."""
+        cfg, acc = self.config, self.accelerator
+        old_logps: list[torch.Tensor] = []
+        ref_logps: list[torch.Tensor | None] = []
+        keys = ["loss", *_CLIP_KEYS, "entropy", "sampler_diff", "tokens", "processed"]
+        local = dict.fromkeys(keys, 0.0)
+        grad_norm = 0.0
+        was_training = self.model.training
+        self.model.train()
+        for iteration in range(cfg.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for j, mb in enumerate(batches):
+                last = j == len(batches) - 1
+                with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                    logp, entropy = _forward_logprobs(
+                        self.model,
+                        mb.input_ids,
+                        mb.attention_mask,
+                        cfg.temperature,
+                        with_entropy=iteration == 0,
+                    )
+                    maskf = mb.action_mask.float()  # (N, T)
+                    if iteration == 0:  # pre-update weights: this *is* the old policy
+                        old_logps.append(logp.detach())
+                        ref_logps.append(self._reference_logprobs(mb))
+                        local["entropy"] += (entropy * maskf).sum().item()
+                        diff = (logp.detach() - mb.sampler_logprobs).abs()  # (N, T)
+                        local["sampler_diff"] += (diff * maskf).sum().item()
+                        local["tokens"] += maskf.sum().item()
+                    loss, m = policy_loss(
+                        logp,
+                        old_logps[j],
+                        mb.advantages,
+                        mb.action_mask,
+                        cfg,
+                        ref_logps[j],
+                        **totals,
+                    )
+                    acc.backward(loss * acc.num_processes)  # DDP averages; we want the sum
+                n = maskf.sum().item()
+                local["loss"] += m["loss"]
+                local["processed"] += mb.attention_mask.sum().item()
+                for key in _CLIP_KEYS:
+                    local[key] += m[key] * n
+            grad_norm += float(acc.clip_grad_norm_(self._params, cfg.max_grad_norm))
+            self.optimizer.step()
+        self.model.train(was_training)
+        result = dict(zip(keys, self._global(list(local.values()), "sum"), strict=True))
+        result["grad_norm"] = grad_norm
+        return result

@@ -1,0 +1,466 @@
+"""GRPO: advantages, the four losses by hand, masks and clipping, log-probs, learn()."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from agentenv.errors import InvalidOptionError
+from algorithms.grpo import (
+    GRPO,
+    GRPOConfig,
+    collate,
+    compute_advantages,
+    pack_micro_batches,
+    policy_loss,
+    selective_log_softmax,
+    token_logprobs,
+)
+
+LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "gspo"]
+METRIC_KEYS = {
+    "loss",
+    "kl",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "advantages/mean",
+    "advantages/std",
+    "rewards/mean",
+    "rewards/std",
+    "frac_reward_zero_std",
+    "trainable_token_ratio",
+    "entropy",
+    "grad_norm",
+    "tokens_per_second",
+    "learning_rate",
+    "num_sequences",
+    "step",
+    "sampler/logprob_abs_diff_mean",
+}
+
+
+# peft 0.21 reads a property transformers 5.23 deprecated; nothing for us to act on
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+
+
+@dataclass
+class Ep:
+    """A minimal EpisodeLike."""
+
+    input_ids: list[int]
+    action_mask: list[int]
+    logprobs: list[float]
+    reward: float
+
+
+def make_groups(rewards: list[list[float]], seed: int = 0) -> list[list[Ep]]:
+    """Episodes of 10-20 tokens: prompt, policy turn, environment turn, policy turn."""
+    rng = random.Random(seed)
+    groups = []
+    for group in rewards:
+        episodes = []
+        for reward in group:
+            p, a1, env, a2 = rng.randint(3, 5), rng.randint(2, 5), rng.randint(2, 4), 3
+            mask = [0] * p + [1] * a1 + [0] * env + [1] * a2
+            ids = [rng.randint(100, 5000) for _ in mask]
+            logprobs = [-rng.uniform(8, 12) if m else 0.0 for m in mask]
+            episodes.append(Ep(ids, mask, logprobs, float(reward)))
+        groups.append(episodes)
+    return groups
+
+
+def config(**overrides) -> GRPOConfig:
+    base = {"group_size": 4, "learning_rate": 1e-3, "lora_r": 4, "lora_alpha": 8}
+    return GRPOConfig(**{**base, **overrides})
+
+
+def snapshot(module: torch.nn.Module, trainable: bool | None = None) -> dict[str, torch.Tensor]:
+    return {
+        name: p.detach().clone()
+        for name, p in module.named_parameters()
+        if trainable is None or p.requires_grad == trainable
+    }
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_advantages_by_hand_for_both_norms():
+    rewards = torch.tensor([[0.0, 1.0, 2.0, 3.0], [1.0, 0.0, 0.0, 1.0]])
+    # group 0: mean 1.5, population std sqrt((2.25 + 0.25 + 0.25 + 2.25) / 4) = sqrt(1.25)
+    # group 1: mean 0.5, population std 0.5
+    std0, std1, eps = math.sqrt(1.25), 0.5, 1e-4
+    expected_std = torch.tensor(
+        [
+            [-1.5 / (std0 + eps), -0.5 / (std0 + eps), 0.5 / (std0 + eps), 1.5 / (std0 + eps)],
+            [0.5 / (std1 + eps), -0.5 / (std1 + eps), -0.5 / (std1 + eps), 0.5 / (std1 + eps)],
+        ]
+    )
+    expected_mean = torch.tensor([[-1.5, -0.5, 0.5, 1.5], [0.5, -0.5, -0.5, 0.5]])
+    torch.testing.assert_close(compute_advantages(rewards, "mean_std"), expected_std)
+    torch.testing.assert_close(compute_advantages(rewards, "mean_only"), expected_mean)
+
+
+@pytest.mark.parametrize("norm", ["mean_std", "mean_only"])
+def test_zero_variance_group_gets_exactly_zero(norm):
+    rewards = torch.tensor([[0.1, 0.1, 0.1], [0.7, 0.7, 0.7], [0.0, 1.0, 0.0]])
+    advantages = compute_advantages(rewards, norm)
+    assert torch.equal(advantages[:2], torch.zeros(2, 3))
+    assert (advantages[2] != 0).all()
+
+
+def test_advantages_reject_bad_input():
+    with pytest.raises(InvalidOptionError, match="norm='median'"):
+        compute_advantages(torch.zeros(2, 3), "median")
+    with pytest.raises(InvalidOptionError, match=r"shape \(6,\)"):
+        compute_advantages(torch.zeros(6))
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_defaults_and_lr_resolution():
+    assert GRPOConfig().learning_rate == 5e-5
+    assert GRPOConfig(use_lora=False).learning_rate == 1e-5
+    assert GRPOConfig(learning_rate=3e-4).learning_rate == 3e-4
+    assert GRPOConfig().loss_type == "dapo"
+    fields = GRPOConfig.__dataclass_fields__.values()
+    assert all(f.metadata.get("help") for f in fields)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loss_type": "ppo"}, "loss_type must be one of .*'ppo'"),
+        ({"group_size": 1}, "group_size needs >= 2.*got 1"),
+        ({"epsilon_low": 1.5}, r"epsilon_low must be in \[0, 1\), got 1.5"),
+        ({"lr_scheduler": "cosine"}, "total_steps=None; set total_steps"),
+        ({"warmup_steps": 10, "total_steps": 5}, "total_steps must be .*warmup_steps=10"),
+        ({"beta": -0.1}, "beta must be >= 0"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(InvalidOptionError, match=message):
+        GRPOConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- policy_loss by hand
+
+
+def toy_batch():
+    """Two sequences; token ratios r = exp(logp - old_logp) chosen by hand.
+
+    seq 0 (A = +1): policy tokens at t=1,2 with r = 1.5, 0.5
+    seq 1 (A = -2): policy tokens at t=1,2,3 with r = 1.0, 1.3, 0.5
+    """
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]])
+    old = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, -1.5, -3.0]])
+    ratios = torch.tensor([[1.0, 1.5, 0.5, 1.0], [1.0, 1.0, 1.3, 0.5]])
+    logp = (old + ratios.log()).requires_grad_(True)
+    advantages = torch.tensor([1.0, -2.0])
+    return logp, old, advantages, mask
+
+
+def test_policy_loss_grpo_dapo_dr_grpo_by_hand():
+    # eps = 0.2: clip range [0.8, 1.2]; per-token loss = max(-A r, -A clip(r))
+    # seq 0, A=+1: r=1.5 -> max(-1.5, -1.2) = -1.2 (clipped high); r=0.5 -> max(-0.5, -0.8) = -0.5
+    # seq 1, A=-2: r=1.0 -> 2.0; r=1.3 -> max(2.6, 2.4) = 2.6; r=0.5 -> max(1.0, 1.6) = 1.6 (low)
+    seq0, seq1 = [-1.2, -0.5], [2.0, 2.6, 1.6]
+    expected = {
+        "grpo": (sum(seq0) / 2 + sum(seq1) / 3) / 2,  # 0.608333...
+        "dapo": (sum(seq0) + sum(seq1)) / 5,  # 0.9
+        "dr_grpo": (sum(seq0) + sum(seq1)) / (2 * 4),  # 0.5625 with max_completion_length=4
+    }
+    for loss_type, value in expected.items():
+        logp, old, advantages, mask = toy_batch()
+        cfg = GRPOConfig(loss_type=loss_type, max_completion_length=4)
+        loss, metrics = policy_loss(logp, old, advantages, mask, cfg)
+        assert loss.item() == pytest.approx(value, abs=1e-6), loss_type
+        assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 5)  # seq 0, r=1.5
+        assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 5)  # seq 1, r=0.5
+        assert metrics["clip_ratio/region_mean"] == pytest.approx(2 / 5)
+        assert metrics["kl"] == 0.0
+
+
+def test_dr_grpo_defaults_to_longest_policy_span():
+    logp, old, advantages, mask = toy_batch()
+    loss, _ = policy_loss(logp, old, advantages, mask, GRPOConfig(loss_type="dr_grpo"))
+    assert loss.item() == pytest.approx(4.5 / (2 * 3))  # longest sequence has 3 policy tokens
+
+
+def test_policy_loss_gspo_by_hand_and_its_token_gradient():
+    logp, old, advantages, mask = toy_batch()
+    cfg = GRPOConfig(loss_type="gspo", epsilon_low=0.1, epsilon_high=0.1)
+    loss, metrics = policy_loss(logp, old, advantages, mask, cfg)
+    # sequence ratio s_i = exp(mean log r) = geometric mean of the token ratios
+    s0 = math.sqrt(1.5 * 0.5)  # 0.866, A=+1: max(-0.866, -0.9) = -0.866, not clipped
+    s1 = (1.0 * 1.3 * 0.5) ** (1 / 3)  # 0.866, A=-2: max(1.732, 1.8) = 1.8, clipped low
+    seq0 = max(-1 * s0, -1 * min(max(s0, 0.9), 1.1))
+    seq1 = max(2 * s1, 2 * min(max(s1, 0.9), 1.1))
+    assert loss.item() == pytest.approx((seq0 + seq1) / 2, abs=1e-6)
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(3 / 5)  # all of seq 1's tokens
+    loss.backward()
+    # GSPO-token: d loss / d logp_t = -A * s_i / |y_i| / N on unclipped sequences, 0 if clipped
+    expected = torch.tensor([[0, -s0 / 2 / 2, -s0 / 2 / 2, 0], [0.0, 0, 0, 0]])
+    torch.testing.assert_close(logp.grad, expected)
+
+
+def test_policy_loss_kl_k3_by_hand():
+    logp, old, advantages, mask = toy_batch()
+    ref = logp.detach().clone()
+    ref[0, 1] += math.log(2.0)  # ref - logp = log 2 -> k3 = 2 - log 2 - 1
+    ref[1, 3] -= 1.0  # ref - logp = -1 -> k3 = exp(-1) + 1 - 1
+    ref[0, 0] += 50.0  # a mask-0 position: must not count
+    k3 = (2 - math.log(2) - 1) + math.exp(-1)
+    cfg = GRPOConfig(loss_type="dapo", beta=0.1)
+    loss, metrics = policy_loss(logp, old, advantages, mask, cfg, ref)
+    assert loss.item() == pytest.approx((4.5 + 0.1 * k3) / 5, abs=1e-6)
+    assert metrics["kl"] == pytest.approx(k3 / 5, abs=1e-6)
+
+
+def test_clipping_engages_and_blocks_the_gradient():
+    mask = torch.tensor([[0, 1, 1]])
+    old = torch.tensor([[0.0, -2.0, -2.0]])
+    logp = (old + torch.tensor([[0.0, math.log(1.5), 0.0]])).requires_grad_(True)  # r=1.5, 1
+    cfg = GRPOConfig(loss_type="dapo", epsilon_high=0.2)
+    loss, metrics = policy_loss(logp, old, torch.tensor([1.0]), mask, cfg)
+    loss.backward()
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(0.5)
+    assert metrics["clip_ratio/low_mean"] == 0.0
+    assert logp.grad[0, 1] == 0.0  # clipped token: no gradient
+    assert logp.grad[0, 2] == pytest.approx(-0.5)  # unclipped: -A * r / num_tokens
+
+
+def test_mask_zero_tokens_get_exactly_zero_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11, requires_grad=True)
+    input_ids = torch.randint(0, 11, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [0, 1, 0, 0, 1, 1]])
+    logp = torch.nn.functional.pad(selective_log_softmax(logits[:, :-1], input_ids[:, 1:]), (1, 0))
+    old = (logp.detach() + 0.1 * torch.randn(2, 6)).masked_fill(mask == 0, 0.0)  # sampler-like
+    ref = logp.detach() - 30.0  # huge KL on environment tokens: must stay masked
+    for loss_type in LOSS_TYPES:
+        logits.grad = None
+        cfg = GRPOConfig(loss_type=loss_type, beta=0.5)
+        loss, _ = policy_loss(logp, old, torch.tensor([1.0, -0.5]), mask, cfg, ref)
+        loss.backward(retain_graph=True)
+        # logits at position t-1 predict token t: mask-0 tokens t>0 -> rows t-1 get no gradient
+        for n, t in (mask[:, 1:] == 0).nonzero().tolist():
+            assert torch.equal(logits.grad[n, t], torch.zeros(11)), (loss_type, n, t)
+        assert logits.grad.abs().sum() > 0
+
+
+def test_zero_advantage_episodes_contribute_no_gradient(tiny_model, tokenizer):
+    """Same fixed normalisers: a batch with an all-equal-reward group has the same gradient."""
+    groups = make_groups([[0, 1, 1, 0], [1, 1, 1, 1]], seed=3)
+    flat = [ep for g in groups for ep in g]
+    advantages = compute_advantages(torch.tensor([[e.reward for e in g] for g in groups]))
+    normalisers = {"num_tokens": 100.0, "num_sequences": 4.0, "completion_length": 10.0}
+
+    def grads(episodes, adv, loss_type):
+        tiny_model.zero_grad()
+        mb = collate(episodes, adv, tokenizer.pad_token_id)
+        logp = token_logprobs(tiny_model, mb.input_ids, mb.attention_mask)
+        cfg = GRPOConfig(loss_type=loss_type)
+        loss, _ = policy_loss(
+            logp, logp.detach(), mb.advantages, mb.action_mask, cfg, **normalisers
+        )
+        loss.backward()
+        return [p.grad.clone() for p in tiny_model.parameters()]
+
+    for loss_type in LOSS_TYPES:
+        with_group = grads(flat, advantages.flatten().tolist(), loss_type)
+        without = grads(flat[:4], advantages[0].tolist(), loss_type)
+        for a, b in zip(with_group, without, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+# ---------------------------------------------------------------- log-probs
+
+
+def test_selective_log_softmax_matches_full_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 50) * 4
+    index = torch.randint(0, 50, (3, 7))
+    expected = torch.log_softmax(logits, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(selective_log_softmax(logits, index), expected, atol=1e-5, rtol=0)
+    bf16 = selective_log_softmax(logits.bfloat16(), index)
+    assert bf16.dtype == torch.float32
+    torch.testing.assert_close(bf16, expected, atol=0.1, rtol=0)
+
+
+def test_token_logprobs_chunked_equals_full_and_aligns(tiny_model, tokenizer):
+    mb = collate(
+        [e for g in make_groups([[0, 1, 0, 1]]) for e in g], [0.0] * 4, tokenizer.pad_token_id
+    )
+    with torch.no_grad():
+        full = token_logprobs(tiny_model, mb.input_ids, mb.attention_mask)
+        chunked = token_logprobs(tiny_model, mb.input_ids, mb.attention_mask, chunk_size=1)
+        logits = tiny_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        hot = token_logprobs(tiny_model, mb.input_ids, mb.attention_mask, temperature=0.5)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=0)
+    assert full.shape == mb.input_ids.shape
+    assert torch.equal(full[:, 0], torch.zeros(4))
+    assert torch.equal(
+        full[mb.attention_mask == 0], torch.zeros(int((mb.attention_mask == 0).sum()))
+    )
+    # token t is scored by the logits at t-1
+    t = 5
+    expected = torch.log_softmax(logits[:, t - 1], -1).gather(-1, mb.input_ids[:, t, None])
+    torch.testing.assert_close(full[:, t], expected.squeeze(-1), atol=1e-5, rtol=0)
+    expected_hot = torch.log_softmax(logits[:, t - 1] / 0.5, -1).gather(
+        -1, mb.input_ids[:, t, None]
+    )
+    torch.testing.assert_close(hot[:, t], expected_hot.squeeze(-1), atol=1e-5, rtol=0)
+
+
+def test_pack_micro_batches_respects_the_token_budget():
+    lengths = [10, 30, 20, 25, 5, 100]
+    packs = pack_micro_batches(lengths, token_budget=60)
+    assert sorted(i for p in packs for i in p) == list(range(6))
+    assert packs[0] == [5]  # longer than the budget: alone
+    for pack in packs[1:]:
+        assert len(pack) * max(lengths[i] for i in pack) <= 60
+
+
+def test_collate_right_pads():
+    episodes = [Ep([5, 6, 7], [0, 1, 1], [0, -1, -2], 1.0), Ep([8, 9], [0, 1], [0, -3], 0.0)]
+    mb = collate(episodes, [0.5, -0.5], pad_token_id=2)
+    assert mb.input_ids.tolist() == [[5, 6, 7], [8, 9, 2]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert mb.action_mask.tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert mb.sampler_logprobs.tolist() == [[0, -1, -2], [0, -3, 0]]
+    assert mb.advantages.tolist() == [0.5, -0.5]
+
+
+# ---------------------------------------------------------------- learn()
+
+
+@pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_learn_updates_the_policy(tiny_model, tokenizer, loss_type, use_lora):
+    eps = {"epsilon_low": 3e-4, "epsilon_high": 4e-4} if loss_type == "gspo" else {}
+    cfg = config(loss_type=loss_type, use_lora=use_lora, num_iterations=2, **eps)
+    trainer = GRPO(tiny_model, tokenizer, cfg)
+    frozen = snapshot(trainer.unwrapped_model, trainable=False)
+    trainable = snapshot(trainer.unwrapped_model, trainable=True)
+    metrics = trainer.learn(make_groups([[0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]))
+    assert set(metrics) == METRIC_KEYS
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["step"] == 1 and trainer.step == 1
+    assert metrics["num_sequences"] == 12
+    assert metrics["frac_reward_zero_std"] == pytest.approx(1 / 3)
+    assert metrics["grad_norm"] > 0 and metrics["entropy"] > 0
+    assert 0 < metrics["trainable_token_ratio"] < 1
+    after = dict(trainer.unwrapped_model.named_parameters())
+    assert any(not torch.equal(after[n], p) for n, p in trainable.items())
+    assert all(torch.equal(after[n], p) for n, p in frozen.items())
+    assert bool(frozen) == use_lora  # LoRA freezes the base; full FT trains everything
+    if use_lora:
+        assert all("lora_" in n for n in trainable)
+
+
+def test_first_iteration_ratio_is_one_and_kl_zero_with_lora_reference(tiny_model, tokenizer):
+    trainer = GRPO(tiny_model, tokenizer, config(beta=0.1))  # LoRA B = 0: policy == reference
+    metrics = trainer.learn(make_groups([[0, 1, 1, 0], [1, 0, 0, 0]]))
+    assert abs(metrics["kl"]) < 1e-6
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert metrics[key] == 0.0
+    second = trainer.learn(make_groups([[0, 1, 1, 0], [1, 0, 0, 0]]))
+    assert second["kl"] > 0  # the adapter moved away from the reference
+
+
+def test_later_iterations_clip(tiny_model, tokenizer):
+    cfg = config(num_iterations=3, learning_rate=0.05, epsilon_low=0.01, epsilon_high=0.01)
+    metrics = GRPO(tiny_model, tokenizer, cfg).learn(make_groups([[0, 1, 1, 0], [1, 0, 0, 0]]))
+    assert metrics["clip_ratio/region_mean"] > 0
+
+
+def test_zero_variance_group_is_skipped_exactly(tokenizer):
+    from agentenv.models import tiny_model as build
+
+    groups = make_groups([[0, 1, 1, 0], [1, 1, 1, 1]], seed=1)
+    a = GRPO(build(tokenizer), tokenizer, config())
+    b = GRPO(build(tokenizer), tokenizer, config())
+    a.learn(groups)
+    b.learn(groups[:1])
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batching_gives_the_one_batch_update(tokenizer, loss_type):
+    from agentenv.models import tiny_model as build
+
+    groups = make_groups([[0, 1, 1, 0], [1, 0, 0, 0]], seed=2)
+    cfg = {"loss_type": loss_type, "use_lora": False, "learning_rate": 1e-3, "beta": 0.1}
+    small = GRPO(build(tokenizer), tokenizer, config(micro_batch_tokens=20, **cfg))
+    large = GRPO(build(tokenizer), tokenizer, config(micro_batch_tokens=10_000, **cfg))
+    ms, ml = small.learn(groups), large.learn(groups)
+    assert ms["loss"] == pytest.approx(ml["loss"], abs=1e-6)
+    assert ms["grad_norm"] == pytest.approx(ml["grad_norm"], rel=1e-4)
+    for ps, pl in zip(small.model.parameters(), large.model.parameters(), strict=True):
+        # .grad still holds the accumulated gradient of the step: same up to float rounding
+        torch.testing.assert_close(ps.grad, pl.grad, atol=1e-8, rtol=1e-4)
+        # Adam's first step is ~lr * sign(grad): rounding can move a near-zero entry a bit
+        torch.testing.assert_close(ps, pl, atol=1e-5, rtol=0)
+
+
+def test_all_zero_variance_batch_changes_nothing(tiny_model, tokenizer):
+    trainer = GRPO(tiny_model, tokenizer, config())
+    before = snapshot(trainer.model)
+    metrics = trainer.learn(make_groups([[1, 1, 1, 1], [0, 0, 0, 0]]))
+    assert metrics["frac_reward_zero_std"] == 1.0 and metrics["loss"] == 0.0
+    assert trainer.step == 1
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_learn_rejects_malformed_groups(tiny_model, tokenizer):
+    trainer = GRPO(tiny_model, tokenizer, config())
+    with pytest.raises(InvalidOptionError, match="group_size=4.*sizes \\[3\\]"):
+        trainer.learn(make_groups([[0, 1, 1]]))
+    bad = make_groups([[0, 1, 1, 0]])
+    bad[0][1].logprobs = bad[0][1].logprobs[:-1]
+    with pytest.raises(InvalidOptionError, match="equally long"):
+        trainer.learn(bad)
+
+
+def test_learning_rate_schedule_counts_learn_calls(tiny_model, tokenizer):
+    cfg = config(lr_scheduler="linear", warmup_steps=1, total_steps=3, learning_rate=1e-3)
+    trainer = GRPO(tiny_model, tokenizer, cfg)
+    groups = make_groups([[0, 1, 1, 0]])
+    lrs = [trainer.learn(groups)["learning_rate"] for _ in range(3)]
+    assert lrs == pytest.approx([0.0, 1e-3, 5e-4])
+
+
+def test_a_peft_model_keeps_its_adapter(tiny_model, tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(tiny_model, LoraConfig(task_type="CAUSAL_LM", r=2))
+    expected = {n for n, p in peft_model.named_parameters() if "lora_" in n}
+    trainer = GRPO(peft_model, tokenizer, config())
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable == expected  # no adapter nested inside the adapter
+    assert trainer.learn(make_groups([[0, 1, 1, 0]]))["grad_norm"] > 0
+    from agentenv.models import tiny_model as build
+
+    other = get_peft_model(build(tokenizer), LoraConfig(task_type="CAUSAL_LM", r=2))
+    with pytest.raises(InvalidOptionError, match="merge_and_unload"):
+        GRPO(other, tokenizer, config(use_lora=False))
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tokenizer):
+    from agentenv.models import tiny_model as build
+
+    groups = make_groups([[0, 1, 1, 0], [1, 0, 0, 0]])
+    plain = GRPO(build(tokenizer), tokenizer, config())
+    checkpointed = GRPO(build(tokenizer), tokenizer, config(gradient_checkpointing=True))
+    plain.learn(groups)
+    checkpointed.learn(groups)
+    for a, b in zip(plain._params, checkpointed._params, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=1e-5)
