@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from algorithms.grpo import GRPO
 
 MARKER = "checkpoint_complete.json"
-_MUST_MATCH = ("use_lora", "lora_r", "lora_alpha", "lora_target_modules")
+_MUST_MATCH = ("use_lora", "lora_r", "lora_alpha", "lora_target_modules", "lora_layers")
 
 
 def _fsync(path: Path) -> None:

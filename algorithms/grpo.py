@@ -112,6 +112,9 @@ class GRPOConfig:
     lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = _field(0.0, "Dropout on the LoRA input.")
     lora_target_modules: list[str] = _field(LORA_TARGETS, "Module names that get adapters.")
+    lora_layers: int | None = _field(
+        None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
+    )
     gradient_checkpointing: bool = _field(False, "Recompute activations: less memory, slower.")
     temperature: float = _field(1.0, "Sampler temperature; logits are divided by it.")
     seed: int = _field(0, "Seed of the LoRA initialisation.")
@@ -211,18 +214,33 @@ def _forward_logprobs(
     attention_mask: torch.Tensor,
     temperature: float,
     with_entropy: bool = False,
+    action_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward: per-token log-probs ``(N, T)`` (0 at position 0 and on padding), entropy."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1]  # position t-1 predicts token t; (N, T-1, V)
+    """One forward: per-token log-probs ``(N, T)`` (0 at position 0 and on padding), entropy.
+
+    With ``action_mask``, the vocabulary projection runs only from the first position any
+    row needs (``logits_to_keep``): the shared prompt of every episode gets no logits,
+    which saves its share of the LM-head compute and memory. Positions before it get 0.
+    """
+    n, t = input_ids.shape
+    start = 1
+    if action_mask is not None and action_mask.any():
+        start = max(1, int(action_mask.any(dim=0).float().argmax()))  # first scored token
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=False,
+        logits_to_keep=t - start + 1,
+    ).logits[:, :-1]  # positions start-1 .. T-2 predict tokens start .. T-1; (N, T-start, V)
     if temperature != 1.0:
         logits = logits / temperature
-    logp = F.pad(selective_log_softmax(logits, input_ids[:, 1:]), (1, 0))  # (N, T)
+    logp = F.pad(selective_log_softmax(logits, input_ids[:, start:]), (start, 0))  # (N, T)
     logp = logp.masked_fill(attention_mask == 0, 0.0)
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = F.pad(torch.stack([_entropy(row) for row in logits]), (1, 0))  # (N, T)
+            rows = torch.stack([_entropy(row) for row in logits])  # (N, T-start)
+            entropy = F.pad(rows, (start, 0))  # (N, T)
     return logp, entropy
 
 
@@ -232,18 +250,25 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    action_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of every token under ``model``, aligned to input positions: ``(N, T)``.
 
     Sequences must be right-padded (positions are counted from 0, as in :func:`collate`).
     Position 0 and padding get 0. At most ``chunk_size`` sequences (default: all) have
-    full-vocabulary logits alive at once. Differentiable unless run under ``no_grad``.
+    full-vocabulary logits alive at once. With ``action_mask`` only positions from the
+    first policy token on are scored (the rest are 0). Differentiable unless under
+    ``no_grad``.
     """
     rows = chunk_size or input_ids.shape[0]
     return torch.cat(
         [
             _forward_logprobs(
-                model, input_ids[i : i + rows], attention_mask[i : i + rows], temperature
+                model,
+                input_ids[i : i + rows],
+                attention_mask[i : i + rows],
+                temperature,
+                action_mask=None if action_mask is None else action_mask[i : i + rows],
             )[0]
             for i in range(0, input_ids.shape[0], rows)
         ]
@@ -409,6 +434,7 @@ class GRPO:
                 cfg.lora_dropout,
                 cfg.lora_target_modules,
                 cfg.seed,
+                cfg.lora_layers,
             )
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -464,12 +490,20 @@ class GRPO:
         with torch.no_grad():
             if self.ref_model is not None:
                 return token_logprobs(
-                    self.ref_model, mb.input_ids, mb.attention_mask, self.config.temperature
+                    self.ref_model,
+                    mb.input_ids,
+                    mb.attention_mask,
+                    self.config.temperature,
+                    action_mask=mb.action_mask,
                 )
             policy = self.unwrapped_model
             with policy.disable_adapter():
                 return token_logprobs(
-                    policy, mb.input_ids, mb.attention_mask, self.config.temperature
+                    policy,
+                    mb.input_ids,
+                    mb.attention_mask,
+                    self.config.temperature,
+                    action_mask=mb.action_mask,
                 )
 
     def _global(self, values: list[float], reduction: str) -> list[float]:
@@ -605,6 +639,7 @@ class GRPO:
                         mb.attention_mask,
                         cfg.temperature,
                         with_entropy=iteration == 0,
+                        action_mask=mb.action_mask,
                     )
                     maskf = mb.action_mask.float()  # (N, T)
                     if iteration == 0:  # pre-update weights: this *is* the old policy

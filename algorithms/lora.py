@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from agentenv.errors import InvalidOptionError
+
 
 def apply_lora(
     model: torch.nn.Module,
@@ -16,6 +18,7 @@ def apply_lora(
     dropout: float,
     target_modules: Sequence[str],
     seed: int,
+    last_layers: int | None = None,
 ) -> torch.nn.Module:
     """Wrap ``model`` with fresh LoRA adapters, or keep a PeftModel's own adapters trainable.
 
@@ -23,17 +26,30 @@ def apply_lora(
     checkpoint to continue with GRPO) is returned as is, adapters unfrozen, so its
     adapter-disabled base is still the reference policy. The adapter initialisation
     is seeded with ``seed`` without touching the caller's RNG.
+
+    ``last_layers=n`` adapts only the top ``n`` transformer layers. Backpropagation then
+    stops at the lowest adapted layer, so the backward pass costs about ``n / L`` of a
+    full one: the main lever for training on a CPU.
     """
     if isinstance(model, PeftModel):
         for name, param in model.named_parameters():
             param.requires_grad_("lora_" in name)
         return model
+    layers = None
+    if last_layers is not None:
+        total = model.config.num_hidden_layers
+        if not 1 <= last_layers <= total:
+            raise InvalidOptionError(
+                f"lora_layers must be in [1, {total}] for this model, got {last_layers}"
+            )
+        layers = list(range(total - last_layers, total))
     config = LoraConfig(
         task_type="CAUSAL_LM",
         r=r,
         lora_alpha=alpha,
         lora_dropout=dropout,
         target_modules=list(target_modules),
+        layers_to_transform=layers,
     )
     with torch.random.fork_rng(), warnings.catch_warnings():
         torch.manual_seed(seed)

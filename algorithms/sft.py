@@ -45,6 +45,9 @@ class SFTConfig:
     lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = _field(0.0, "Dropout on the LoRA input.")
     lora_target_modules: list[str] = _field(LORA_TARGETS, "Module names that get adapters.")
+    lora_layers: int | None = _field(
+        None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
+    )
     seed: int = _field(0, "Seed of the LoRA init and the episode shuffling.")
 
     def __post_init__(self) -> None:
@@ -99,6 +102,7 @@ class SFT:
                 cfg.lora_dropout,
                 cfg.lora_target_modules,
                 cfg.seed,
+                cfg.lora_layers,
             )
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -129,8 +133,9 @@ class SFT:
         ):
             batch = collate([episodes[i] for i in idx], [0.0] * len(idx), pad)
             ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            logp = token_logprobs(self.model, ids, attn)  # (N, T)
-            loss = masked_nll(logp, batch["action_mask"].to(device), num_tokens)
+            mask = batch["action_mask"].to(device)  # (N, T)
+            logp = token_logprobs(self.model, ids, attn, action_mask=mask)  # (N, T)
+            loss = masked_nll(logp, mask, num_tokens)
             self.accelerator.backward(loss)
             total_loss += loss.item()
         grad_norm = self.accelerator.clip_grad_norm_(self._params, self.config.max_grad_norm)
