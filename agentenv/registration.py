@@ -115,6 +115,8 @@ def _register_bundled() -> None:
     """Register the environments shipped in the ``envs`` package (lazy entry points)."""
     bundled = {
         "Calculator-v0": "envs.calculator:CalculatorEnv",
+        "RAG-v0": "envs.rag:RAGEnv",
+        "Workspace-v0": "envs.workspace:WorkspaceEnv",
     }
     for name, entry_point in bundled.items():
         if full_id(name) not in gym.registry:

@@ -405,10 +405,14 @@ def test_micro_batching_gives_the_one_batch_update(tokenizer, loss_type):
     assert ms["loss"] == pytest.approx(ml["loss"], abs=1e-6)
     assert ms["grad_norm"] == pytest.approx(ml["grad_norm"], rel=1e-4)
     for ps, pl in zip(small.model.parameters(), large.model.parameters(), strict=True):
-        # .grad still holds the accumulated gradient of the step: same up to float rounding
-        torch.testing.assert_close(ps.grad, pl.grad, atol=1e-8, rtol=1e-4)
-        # Adam's first step is ~lr * sign(grad): rounding can move a near-zero entry a bit
-        torch.testing.assert_close(ps, pl, atol=1e-5, rtol=0)
+        # .grad still holds the accumulated gradient of the step: same up to float rounding,
+        # which differs with the summation order (bounded relative to the tensor's scale)
+        scale = pl.grad.abs().max().item()
+        torch.testing.assert_close(ps.grad, pl.grad, atol=1e-5 * scale + 1e-12, rtol=1e-4)
+        # Adam's first step is lr * g / (|g| + eps): where |g| is near eps, rounding of g
+        # moves the step a lot, so compare the entries whose gradient is well above eps
+        clear = pl.grad.abs() > 1e-6
+        torch.testing.assert_close(ps[clear], pl[clear], atol=1e-6, rtol=0)
 
 
 def test_all_zero_variance_batch_changes_nothing(tiny_model, tokenizer):
