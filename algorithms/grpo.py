@@ -63,6 +63,18 @@ _CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/r
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def default_accelerator(model: torch.nn.Module) -> Accelerator:
+    """An :class:`~accelerate.Accelerator` on the model's device type.
+
+    A model on the CPU gets ``Accelerator(cpu=True)``: under ``torchrun`` / ``accelerate
+    launch`` several CPU processes then train as one (gloo DDP); a plain ``Accelerator()``
+    would treat each as a lone process without a GPU, and would move a CPU model to a GPU
+    if there is one.
+    """
+    param = next(model.parameters(), None)
+    return Accelerator(cpu=param is not None and param.device.type == "cpu")
+
+
 class EpisodeLike(Protocol):
     """What :meth:`GRPO.learn` reads from an episode (``agentenv.episode.Episode`` has it)."""
 
@@ -405,7 +417,7 @@ class GRPO:
     ) -> None:
         self.config = cfg = config or GRPOConfig()
         self.tokenizer = tokenizer
-        self.accelerator = accelerator or Accelerator()
+        self.accelerator = accelerator or default_accelerator(model)
         self.step = 0
         pad = tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
@@ -606,7 +618,10 @@ class GRPO:
         num_batches = int(self._global([len(batches)], "max")[0])
         if num_batches > len(batches):  # same number of backward calls on every process
             pad = SimpleNamespace(
-                input_ids=[self.pad_token_id] * 2, action_mask=[0, 0], logprobs=[0.0, 0.0]
+                input_ids=[self.pad_token_id] * 2,
+                action_mask=[0, 0],
+                logprobs=[0.0, 0.0],
+                reward=0.0,
             )
             batches += [collate([pad], [0.0], self.pad_token_id, device)] * (
                 num_batches - len(batches)

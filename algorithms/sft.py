@@ -23,7 +23,14 @@ from transformers import get_scheduler
 
 from agentenv.episode import collate
 from agentenv.errors import InvalidOptionError
-from algorithms.grpo import LORA_TARGETS, EpisodeLike, _field, pack_micro_batches, token_logprobs
+from algorithms.grpo import (
+    LORA_TARGETS,
+    EpisodeLike,
+    _field,
+    default_accelerator,
+    pack_micro_batches,
+    token_logprobs,
+)
 from algorithms.lora import apply_lora
 
 
@@ -92,7 +99,7 @@ class SFT:
     ) -> None:
         self.config = cfg = config or SFTConfig()
         self.tokenizer = tokenizer
-        self.accelerator = accelerator or Accelerator()
+        self.accelerator = accelerator or default_accelerator(model)
         self.step = 0
         if cfg.use_lora:
             model = apply_lora(
