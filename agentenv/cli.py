@@ -48,7 +48,10 @@ def _load_policy(args: argparse.Namespace):  # noqa: ANN202
 
     model, tokenizer = models.load(args.model, device=args.device)
     if getattr(args, "adapter", None):
-        model = load_from_checkpoint(model, args.adapter).eval()
+        model = load_from_checkpoint(model, args.adapter)
+        if hasattr(model, "merge_and_unload"):  # a LoRA adapter: fold it in, generate faster
+            model = model.merge_and_unload()
+        model.eval()
     return model, tokenizer
 
 
@@ -260,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_sft)
 
     p = sub.add_parser("train", help="train with GRPO")
-    _env_args(p)
+    p.add_argument("env_id", nargs="?", default=None, help="default: --config's, or Calculator-v0")
+    _env_args(p, positional=False)
     p.set_defaults(model=None, seed=None)
     for flag, kind in (
         ("--steps", int),
