@@ -214,11 +214,12 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
             max_turns=2,
             max_new_tokens=48,
             max_episode_tokens=384,
+            temperature=0.7,  # at 1.0 a small warm-started model rarely answers right
             eval_tasks=args.eval_tasks,
             output_dir=f"{out}/grpo",
             device=args.device,
             save_every=args.steps,
-            grpo={"learning_rate": 1e-4},
+            grpo={"learning_rate": 2e-4},
         )
     )
     return 0

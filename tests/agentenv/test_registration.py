@@ -49,3 +49,30 @@ def test_register_refuses_duplicates_and_bad_entry_points(tiny_env_id):
 def test_gymnasium_module_prefix_imports_agentenv():
     env = gym.make("agentenv:agentenv/Calculator-v0")
     assert env.spec.namespace == "agentenv"
+
+
+# Small, offline settings per bundled id (the defaults work too, but build bigger things).
+BUNDLED_KWARGS = {
+    "agentenv/Calculator-v0": {},
+    "agentenv/RAG-v0": {"chroma": "memory", "num_tasks": 4},
+    "agentenv/Workspace-v0": {"sandbox": "rlimit", "num_tasks": 4},
+}
+
+
+def test_every_bundled_id_is_covered_here():
+    bundled = {i for i, s in agentenv.registry().items() if str(s.entry_point).startswith("envs.")}
+    assert bundled == set(BUNDLED_KWARGS)
+
+
+@pytest.mark.parametrize("env_id", sorted(BUNDLED_KWARGS))
+def test_check_env_on_every_bundled_id_through_gymnasium(env_id):
+    from gymnasium.utils.env_checker import check_env
+
+    env = gym.make(env_id, **BUNDLED_KWARGS[env_id])
+    try:
+        check_env(env.unwrapped, skip_render_check=True)
+        obs, info = env.reset(seed=3)
+        assert env.observation_space.contains(obs)
+        assert obs[0]["role"] == "system" and obs[-1]["role"] == "user"
+    finally:
+        env.close()
