@@ -204,13 +204,13 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
             sft={"epochs": 1, "batch_size": 8},
         )
     )
-    train(
+    run_dir = train(
         config=TrainConfig(
             env_kwargs=QUICKSTART_ENV,
             init_from=str(ckpt),
             steps=args.steps,
             batch_size=2,
-            group_size=4,
+            group_size=8,
             max_turns=2,
             max_new_tokens=48,
             max_episode_tokens=384,
@@ -222,7 +222,26 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
             grpo={"learning_rate": 2e-4},
         )
     )
+    _print_learning_signal(run_dir)
     return 0
+
+
+def _print_learning_signal(run_dir) -> None:
+    """Say how many GRPO groups carried a gradient: a short run may have none."""
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
+    steps = [r for r in rows if "frac_reward_zero_std" in r]
+    if not steps:
+        return
+    rewards = " ".join(f"{r['rewards/mean']:.2f}" for r in steps)
+    useful = sum(1 - r["frac_reward_zero_std"] for r in steps) / len(steps)
+    print(
+        f"GRPO train reward per step: {rewards}; groups with a learning signal "
+        f"(reward variance > 0): {useful:.0%}.\nThis is a smoke run of the whole pipeline; "
+        "README 'Reproduce' trains for ~30 min on 2 CPU cores and lifts test accuracy "
+        "from 0.125 (SFT) to 0.685 (GRPO)."
+    )
 
 
 def _env_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -308,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_show)
 
     p = sub.add_parser("quickstart", help="SFT -> GRPO -> eval on the default, in minutes")
-    p.add_argument("--demos", type=int, default=64)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--demos", type=int, default=96)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--eval-tasks", type=int, default=24)
     p.add_argument("--output-dir", default=None)
     p.add_argument("--device", default=None)
