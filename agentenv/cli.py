@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from agentenv.errors import AgentEnvError, InvalidOptionError
 
@@ -226,10 +227,8 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_learning_signal(run_dir) -> None:
+def _print_learning_signal(run_dir: str | Path) -> None:
     """Say how many GRPO groups carried a gradient: a short run may have none."""
-    from pathlib import Path
-
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
     steps = [r for r in rows if "frac_reward_zero_std" in r]
     if not steps:

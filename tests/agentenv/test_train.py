@@ -161,3 +161,18 @@ def test_config_file_and_validation(tmp_path):
         TrainConfig.from_file(path)
     with pytest.raises(InvalidOptionError, match="steps"):
         TrainConfig(steps=0)
+
+
+def test_quickstart_reports_the_share_of_groups_with_a_learning_signal(tmp_path, capsys):
+    from agentenv.cli import _print_learning_signal
+
+    rows = [
+        {"step": 0, "eval/accuracy": 0.1},
+        {"step": 1, "rewards/mean": 0.0, "frac_reward_zero_std": 1.0},
+        {"step": 2, "rewards/mean": 0.25, "frac_reward_zero_std": 0.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _print_learning_signal(tmp_path)
+    out = capsys.readouterr().out
+    assert "reward per step: 0.00 0.25;" in out
+    assert "(reward variance > 0): 25%." in out
