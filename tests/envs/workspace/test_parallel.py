@@ -63,12 +63,12 @@ def test_200_parallel_episodes_with_hostile_actions_leave_nothing_behind(mode, c
             pools[solver].put(env)
 
     def run(i: int):
-        pool = pools[i % 4 == 0]
-        env = pool.get()
+        free = pools[i % 4 == 0]
+        env = free.get()
         try:
             return _episode(env, i)
         finally:
-            pool.put(env)
+            free.put(env)
 
     try:
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
