@@ -26,13 +26,14 @@ _LAZY = {
     "Episode": "agentenv.episode",
     "EpisodeBuilder": "agentenv.episode",
     "collate": "agentenv.episode",
-    "Generation": "agentenv.rollout",
-    "PolicyBackend": "agentenv.rollout",
+    "Generation": "agentenv.generation",
+    "PolicyBackend": "agentenv.generation",
     "RolloutConfig": "agentenv.rollout",
-    "SamplingConfig": "agentenv.rollout",
+    "SamplingConfig": "agentenv.generation",
     "ScriptedPolicy": "agentenv.rollout",
-    "TransformersPolicy": "agentenv.rollout",
+    "TransformersPolicy": "agentenv.generation",
     "collect": "agentenv.rollout",
+    "resolve_dtype": "agentenv.generation",
 }
 
 

@@ -45,9 +45,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _load_policy(args: argparse.Namespace):  # noqa: ANN202
     from agentenv import models
+    from agentenv.generation import resolve_dtype
     from agentenv.train import load_from_checkpoint
 
-    model, tokenizer = models.load(args.model, device=args.device)
+    device = args.device or models.default_device()
+    model, tokenizer = models.load(
+        args.model, dtype=resolve_dtype(args.dtype, device), device=device
+    )
     if getattr(args, "adapter", None):
         model = load_from_checkpoint(model, args.adapter)
         if hasattr(model, "merge_and_unload"):  # a LoRA adapter: fold it in, generate faster
@@ -88,6 +92,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
             num_demos=args.num_demos,
             output_dir=args.output_dir,
             device=args.device,
+            dtype=args.dtype,
             seed=args.seed,
             sft={"epochs": args.epochs, **args.sft},
         )
@@ -107,6 +112,7 @@ def _train_config(args: argparse.Namespace):  # noqa: ANN202
         "max_turns": args.max_turns,
         "output_dir": args.output_dir,
         "device": args.device,
+        "dtype": args.dtype,
         "seed": args.seed,
         "init_from": args.init_from,
         "eval_tasks": args.eval_tasks,
@@ -143,8 +149,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if not args.env_id:
         raise InvalidOptionError("eval needs ENV_ID (or --compare A.json B.json)")
     from agentenv.episode import ChatFormat
+    from agentenv.generation import TransformersPolicy
     from agentenv.registration import make
-    from agentenv.rollout import TransformersPolicy
 
     num_tasks = None if args.num_tasks == "all" else int(args.num_tasks)
     config = EvalConfig(
@@ -160,7 +166,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     label = args.label or (f"{args.model}+{args.adapter}" if args.adapter else args.model)
     report = evaluate(
         lambda: make(args.env_id, split=args.split, **args.env_kwargs),
-        TransformersPolicy(model, tokenizer),
+        TransformersPolicy(model, tokenizer, dtype=args.dtype),
         ChatFormat(tokenizer),
         config,
         label=label,
@@ -202,6 +208,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
             num_demos=args.demos,
             output_dir=f"{out}/sft",
             device=args.device,
+            dtype=args.dtype,
             sft={"epochs": 1, "batch_size": 8},
         )
     )
@@ -219,6 +226,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
             eval_tasks=args.eval_tasks,
             output_dir=f"{out}/grpo",
             device=args.device,
+            dtype=args.dtype,
             save_every=args.steps,
             grpo={"learning_rate": 2e-4},
         )
@@ -253,7 +261,17 @@ def _env_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF id or local path")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    _dtype_arg(p)
     p.add_argument("--seed", type=int, default=0)
+
+
+def _dtype_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    p.add_argument(
+        "--dtype",
+        default=default,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16, else float32",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train with GRPO")
     p.add_argument("env_id", nargs="?", default=None, help="default: --config's, or Calculator-v0")
     _env_args(p, positional=False)
-    p.set_defaults(model=None, seed=None)
+    p.set_defaults(model=None, seed=None, dtype=None)
     for flag, kind in (
         ("--steps", int),
         ("--batch-size", int),
@@ -330,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-tasks", type=int, default=24)
     p.add_argument("--output-dir", default=None)
     p.add_argument("--device", default=None)
+    _dtype_arg(p)
     p.set_defaults(fn=_cmd_quickstart)
     return parser
 

@@ -68,6 +68,9 @@ class TextEnv(gym.Env[list[Message], str]):
 
     # render_fps only silences gymnasium's checker; text envs render on demand.
     metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 1}
+    #: Strings after which nothing more of a policy turn matters to this env (e.g.
+    #: ``</tool_call>``): samplers may end the turn there. Empty: only end-of-turn tokens.
+    stop_strings: tuple[str, ...] = ()
 
     def __init__(self, *, split: str = "train", render_mode: str | None = None):
         if split not in SPLITS:
@@ -156,6 +159,11 @@ class ToolEnv(TextEnv):
         self.messages: list[dict[str, str]] = []
         self._done = True
         self._stats: dict[str, Any] = {}
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The parser's turn-ending strings (Hermes: ``</tool_call>``, ``</answer>``)."""
+        return tuple(getattr(self.parser, "stop_strings", ()))
 
     # ---- hooks for subclasses ---------------------------------------------------------
     @abstractmethod

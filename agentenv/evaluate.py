@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from agentenv.episode import ChatFormat, Episode
 from agentenv.errors import InvalidOptionError
-from agentenv.rollout import PolicyBackend, RolloutConfig, SamplingConfig, collect
+from agentenv.generation import PolicyBackend, SamplingConfig
+from agentenv.rollout import RolloutConfig, collect
 
 
 @dataclass

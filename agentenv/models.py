@@ -226,6 +226,13 @@ def _tokenizer_from(name: str, path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def default_device() -> str:
+    """``"cuda"`` when a CUDA GPU is visible, else ``"cpu"``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_tokenizer(name_or_path: str = "smollm2-135m-instruct") -> PreTrainedTokenizerBase:
     """Load a model's tokenizer (alias, Hugging Face id or local folder).
 
@@ -252,7 +259,7 @@ def load(
         name_or_path: An alias from :data:`ALIASES`, a Hugging Face id or a local folder.
         dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"`` (the
             checkpoint's own) or a ``torch.dtype``.
-        device: Where to put the model; ``None`` means ``"cpu"``.
+        device: Where to put the model; ``None``: :func:`default_device`.
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode, the tokenizer as from
@@ -274,7 +281,7 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise _not_loadable(name_or_path, path, exc) from exc
-    model.to(device or "cpu").eval()
+    model.to(device or default_device()).eval()
     tokenizer = _tokenizer_from(name_or_path, path)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -56,7 +56,11 @@ class ParsedAction:
 
 @runtime_checkable
 class ActionParser(Protocol):
-    """The interface an action parser implements."""
+    """The interface an action parser implements.
+
+    A parser may also have ``stop_strings``: strings after which the rest of a turn is
+    never read (samplers end the turn there; see ``ToolEnv.stop_strings``).
+    """
 
     def parse(self, text: str) -> ParsedAction:
         """Find the tool calls and final answer in ``text``. Never raises."""
@@ -124,6 +128,11 @@ class HermesParser:
     def example(self) -> str:
         return 'write <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """A turn may end once a call or the answer is closed (one call per turn then)."""
+        return ("</tool_call>", f"</{self.answer_tag}>")
+
     def parse(self, text: str) -> ParsedAction:
         payloads, unclosed = _spans(text, "<tool_call>", "</tool_call>")
         calls = [_call_from_json(p, self.example) for p in payloads[: self.max_calls]]
@@ -174,6 +183,11 @@ class ReActParser:
     @property
     def example(self) -> str:
         return 'write "Action: <tool>" then "Action Input: {...}" on the next line'
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """ReAct's classic stop: the model must not write the observation itself."""
+        return ("Observation:",)
 
     def parse(self, text: str) -> ParsedAction:
         calls: list[ToolCall] = []

@@ -5,176 +5,28 @@ unfinished trajectory of the batch; then their environment steps run concurrentl
 in a thread pool (tool timeouts apply inside each env). A trajectory stops at
 ``terminated``, ``truncated``, ``max_turns`` or when its token budget is spent.
 
-Policies are pluggable (:class:`PolicyBackend`); :class:`TransformersPolicy` runs a
-local Hugging Face model and records the log-prob of every sampled token under
-the exact distribution it was sampled from (after temperature / top-k / top-p).
+Policies are pluggable (:class:`~agentenv.generation.PolicyBackend`);
+:class:`~agentenv.generation.TransformersPolicy` runs a local Hugging Face model and
+records the log-prob of every sampled token under the exact distribution it was
+sampled from (after temperature / top-k / top-p). A turn ends at a stop token or, unless
+the sampling config says otherwise, at one of the env's ``stop_strings``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import gymnasium as gym
-import torch
 from tqdm.auto import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 from agentenv.episode import ChatFormat, Episode, EpisodeBuilder
 from agentenv.errors import InvalidOptionError
-
-
-@dataclass
-class SamplingConfig:
-    """How each policy turn is sampled.
-
-    Attributes:
-        max_new_tokens: Most tokens per policy turn.
-        temperature: Sampling temperature; 0 means greedy decoding.
-        top_p: Nucleus sampling threshold (1.0 = off).
-        top_k: Keep the k most likely tokens (0 = off).
-    """
-
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InvalidOptionError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InvalidOptionError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidOptionError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class Generation:
-    """One sampled policy turn: token ids exactly as sampled and their log-probs."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str  # "stop" (sampled a stop token) or "length"
-
-
-class PolicyBackend(Protocol):
-    """Anything that continues a batch of token-id prompts."""
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
-    ) -> list[Generation]:
-        """One continuation per prompt, in order."""
-        ...
-
-
-class _RecordLogprobs(LogitsProcessor):
-    """Applies temperature/top-k/top-p itself and records log p(sampled token).
-
-    Runs as the last processor; ``generate`` is called with neutral sampling
-    settings, so the distribution it samples from is exactly the one recorded.
-    """
-
-    def __init__(self, temperature: float, top_k: int, top_p: float):
-        self.temperature = temperature or 1.0
-        self.warpers = [
-            w
-            for w in (
-                TopKLogitsWarper(top_k) if top_k > 0 else None,
-                TopPLogitsWarper(top_p) if top_p < 1 else None,
-            )
-            if w
-        ]
-        self.prev: torch.Tensor | None = None  # (B, V) log-probs of the previous step
-        self.steps: list[torch.Tensor] = []  # each (B,)
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(1, tokens[:, None]).squeeze(1))
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.prev is not None:
-            self._take(input_ids[:, -1])
-        scores = scores / self.temperature
-        for warp in self.warpers:
-            scores = warp(input_ids, scores)
-        self.prev = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """(B, steps) log-probs once generation is over."""
-        self._take(last_tokens)
-        self.prev = None
-        return torch.stack(self.steps, dim=1).cpu()
-
-
-class TransformersPolicy:
-    """A local ``transformers`` causal LM as a batched policy.
-
-    Args:
-        model: The causal LM (a peft-wrapped model works too).
-        tokenizer: Its tokenizer (pad token needed; prompts are left-padded).
-        stop_token_ids: Ids that end a turn (default: the tokenizer's and
-            generation config's EOS ids).
-    """
-
-    def __init__(self, model: Any, tokenizer: Any, *, stop_token_ids: Sequence[int] | None = None):
-        self.model = model
-        self.tokenizer = tokenizer
-        if stop_token_ids is None:
-            eos = getattr(model.generation_config, "eos_token_id", None)
-            eos = eos if isinstance(eos, list) else [eos]
-            stop_token_ids = [i for i in {tokenizer.eos_token_id, *eos} if i is not None]
-        self.stop_token_ids = list(stop_token_ids)
-        self.pad_token_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_token_ids[0]
-        )
-
-    @torch.no_grad()
-    def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
-    ) -> list[Generation]:
-        device = self.model.device
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, p in enumerate(prompts):  # left padding
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            attention_mask[i, width - len(p) :] = 1
-        recorder = _RecordLogprobs(sampling.temperature, sampling.top_k, sampling.top_p)
-        was_training = self.model.training
-        self.model.eval()
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            max_new_tokens=sampling.max_new_tokens,
-            do_sample=sampling.temperature > 0,
-            temperature=1.0,
-            top_k=None,
-            top_p=None,
-            logits_processor=LogitsProcessorList([recorder]),
-            eos_token_id=self.stop_token_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-        )
-        self.model.train(was_training)
-        new = out[:, width:].cpu()  # (B, steps)
-        logprobs = recorder.finish(out[:, -1])
-        return [self._cut(row, lp) for row, lp in zip(new.tolist(), logprobs.tolist(), strict=True)]
-
-    def _cut(self, ids: list[int], logprobs: list[float]) -> Generation:
-        """Cut at the first stop token (kept: the policy sampled it)."""
-        stops = set(self.stop_token_ids)
-        end = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
-        ids, logprobs = ids[:end], logprobs[:end]
-        reason = "stop" if ids and ids[-1] in stops else "length"
-        return Generation(
-            ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True), reason
-        )
+from agentenv.generation import Generation, PolicyBackend, SamplingConfig
 
 
 @dataclass
@@ -247,6 +99,11 @@ def collect(
             obs, info = env.reset(seed=seed, options=options[b])
             builder = EpisodeBuilder(fmt, obs, config.max_episode_tokens)
             trajs.append(_Trajectory(env, builder, b, seed, info=info))
+    sampling = config.sampling
+    if sampling.stop_strings is None:  # the env's own turn-ending strings
+        env = trajs[0].env.unwrapped if trajs else None
+        stops = list(getattr(env, "stop_strings", None) or [])
+        sampling = dataclasses.replace(sampling, stop_strings=stops)
     gen_s = env_s = 0.0
     bar = tqdm(total=len(trajs), desc="rollout", disable=not config.show_progress, leave=False)
     with ThreadPoolExecutor(max_workers=config.env_workers) as pool:
@@ -259,13 +116,11 @@ def collect(
             if not active:
                 break
             t0 = time.perf_counter()
-            sampling = config.sampling
             budget = min(t.builder.room for t in active)
+            turn_sampling = sampling
             if budget < sampling.max_new_tokens:
-                sampling = SamplingConfig(
-                    budget, sampling.temperature, sampling.top_p, sampling.top_k
-                )
-            gens = policy.generate([t.builder.input_ids for t in active], sampling)
+                turn_sampling = dataclasses.replace(sampling, max_new_tokens=budget)
+            gens = policy.generate([t.builder.input_ids for t in active], turn_sampling)
             t1 = time.perf_counter()
             for t, g in zip(active, gens, strict=True):
                 t.builder.add_policy(g.token_ids, g.logprobs, g.text)

@@ -56,7 +56,12 @@ class TrainConfig:
     log_episodes: int = _f(8, "Episodes written to episodes/step_N.jsonl per step.")
     output_dir: str | None = _f(None, "Run directory (default runs/<env>-<time>).")
     device: str | None = _f(None, "cpu or cuda (default: cuda if available, else cpu).")
-    dtype: str = _f("float32", "Model dtype: float32, bfloat16 or float16.")
+    dtype: str = _f(
+        "auto",
+        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and on CPUs with "
+        "native bf16, else float32), float32, bfloat16, float16 (GPU only). Trained weights "
+        "stay float32; a LoRA run keeps its frozen base in this dtype.",
+    )
     seed: int = _f(0, "Seed of task sampling, generation and LoRA init.")
     tensorboard: bool = _f(True, "Write TensorBoard events.")
     wandb_project: str | None = _f(None, "Log to this W&B project (needs `pip install wandb`).")
@@ -146,9 +151,10 @@ def train(
     from agentenv import models
     from agentenv.episode import ChatFormat
     from agentenv.evaluate import EvalConfig, evaluate, format_table
+    from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
     from agentenv.plots import plot_run
     from agentenv.registration import make
-    from agentenv.rollout import RolloutConfig, SamplingConfig, TransformersPolicy, collect
+    from agentenv.rollout import RolloutConfig, collect
     from agentenv.tracking import RunLogger
     from algorithms.checkpoint import latest_checkpoint
     from algorithms.grpo import GRPO, GRPOConfig, compute_advantages
@@ -167,10 +173,8 @@ def train(
     make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
 
     torch.manual_seed(config.seed)
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    policy_model, tokenizer = models.load(config.model, dtype=config.dtype, device=device)
-    if config.init_from:
-        policy_model = load_from_checkpoint(policy_model, Path(config.init_from))
+    device = config.device or models.default_device()
+    compute = resolve_dtype(config.dtype, device)
     grpo_cfg = GRPOConfig(
         **{
             "group_size": config.group_size,
@@ -180,7 +184,12 @@ def train(
             **config.grpo,
         }
     )
-    algo = GRPO(policy_model, tokenizer, grpo_cfg)
+    policy_model, tokenizer = models.load(
+        config.model, dtype=training_dtype(compute, grpo_cfg.use_lora), device=device
+    )
+    if config.init_from:
+        policy_model = load_from_checkpoint(policy_model, Path(config.init_from))
+    algo = GRPO(policy_model, tokenizer, grpo_cfg, dtype=compute)
     start = 0
     ckpt_dir = run_dir / "checkpoints"
     if resume and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
@@ -194,7 +203,7 @@ def train(
         config=dataclasses.asdict(config),
     )
     fmt = ChatFormat(tokenizer)
-    policy = TransformersPolicy(algo.unwrapped_model, tokenizer)
+    policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
     sampling = SamplingConfig(config.max_new_tokens, temperature=config.temperature)
     rollout = RolloutConfig(
         config.group_size,
@@ -273,6 +282,13 @@ def _maybe_load(path: Path) -> Any:
     from agentenv.evaluate import EvalReport
 
     return EvalReport.load(path) if path.exists() else None
+
+
+def training_dtype(compute: torch.dtype, use_lora: bool) -> torch.dtype:
+    """The dtype to load weights in: a LoRA run's frozen base computes in ``compute``
+    (no per-step casts, half the memory in bf16); weights that are trained stay float32
+    and are autocast to ``compute``."""
+    return compute if use_lora else torch.float32
 
 
 def load_from_checkpoint(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:

@@ -28,7 +28,10 @@ class SFTRunConfig:
     num_demos: int = field(default=256, metadata={"help": "Train tasks demonstrated."})
     output_dir: str | None = field(default=None, metadata={"help": "Run directory."})
     device: str | None = field(default=None, metadata={"help": "cpu or cuda."})
-    dtype: str = field(default="float32", metadata={"help": "Model dtype."})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Compute dtype (auto: bf16 where supported); see TrainConfig.dtype."},
+    )
     seed: int = field(default=0, metadata={"help": "Seed of task choice and training."})
     max_episode_tokens: int = field(default=1024, metadata={"help": "Token cap per demo."})
     sft: dict[str, Any] = field(
@@ -47,7 +50,9 @@ def sft(config: SFTRunConfig) -> Path:
     from agentenv import models
     from agentenv.demos import demonstration_episodes
     from agentenv.episode import ChatFormat
+    from agentenv.generation import resolve_dtype
     from agentenv.registration import make
+    from agentenv.train import training_dtype
     from algorithms.sft import SFT, SFTConfig
 
     run_dir = Path(
@@ -57,8 +62,12 @@ def sft(config: SFTRunConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     torch.manual_seed(config.seed)
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = models.load(config.model, dtype=config.dtype, device=device)
+    device = config.device or models.default_device()
+    compute = resolve_dtype(config.dtype, device)
+    sft_config = SFTConfig(**{"seed": config.seed, **config.sft})
+    model, tokenizer = models.load(
+        config.model, dtype=training_dtype(compute, sft_config.use_lora), device=device
+    )
     fmt = ChatFormat(tokenizer)
     episodes = demonstration_episodes(
         lambda: make(config.env_id, split="train", **config.env_kwargs),
@@ -67,7 +76,7 @@ def sft(config: SFTRunConfig) -> Path:
         seed=config.seed,
         max_episode_tokens=config.max_episode_tokens,
     )
-    trainer = SFT(model, tokenizer, SFTConfig(**{"seed": config.seed, **config.sft}))
+    trainer = SFT(model, tokenizer, sft_config, dtype=compute)
     history = trainer.fit(episodes)
     with (run_dir / "metrics.jsonl").open("w") as f:
         f.writelines(json.dumps(row) + "\n" for row in history)

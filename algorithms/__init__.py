@@ -16,9 +16,8 @@ from algorithms.grpo import (
     compute_advantages,
     pack_micro_batches,
     policy_loss,
-    selective_log_softmax,
-    token_logprobs,
 )
+from algorithms.logprobs import forward_logprobs, selective_log_softmax, token_logprobs
 from algorithms.lora import apply_lora
 from algorithms.sft import SFT, SFTConfig, masked_nll
 
@@ -31,6 +30,7 @@ __all__ = [
     "load_model_weights",
     "masked_nll",
     "EpisodeLike",
+    "forward_logprobs",
     "GRPOConfig",
     "MicroBatch",
     "collate",

@@ -29,9 +29,10 @@ from algorithms.grpo import (
     _field,
     default_accelerator,
     pack_micro_batches,
-    token_logprobs,
 )
+from algorithms.logprobs import token_logprobs
 from algorithms.lora import apply_lora
+from algorithms.precision import autocast, compute_dtype
 
 
 @dataclass
@@ -41,7 +42,11 @@ class SFTConfig:
     learning_rate: float = _field(2e-4, "Peak AdamW LR (LoRA adapters want a large LR).")
     epochs: int = _field(2, "Passes over the episodes in :meth:`SFT.fit`.")
     batch_size: int = _field(16, "Episodes per optimizer step.")
-    micro_batch_tokens: int = _field(4096, "Sequences x padded length per forward/backward.")
+    micro_batch_tokens: int = _field(
+        1024,
+        "Sequences x padded length per forward/backward. 1024 is fastest and leanest on a "
+        "CPU (larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
+    )
     max_grad_norm: float = _field(1.0, "Global gradient-norm clip.")
     weight_decay: float = _field(0.0, "AdamW weight decay.")
     warmup_steps: int = _field(0, "Linear LR warmup, in optimizer steps.")
@@ -96,10 +101,13 @@ class SFT:
         tokenizer: Any,
         config: SFTConfig | None = None,
         accelerator: Accelerator | None = None,
+        *,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.config = cfg = config or SFTConfig()
         self.tokenizer = tokenizer
         self.accelerator = accelerator or default_accelerator(model)
+        self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
         self.step = 0
         if cfg.use_lora:
             model = apply_lora(
@@ -141,7 +149,8 @@ class SFT:
             batch = collate([episodes[i] for i in idx], [0.0] * len(idx), pad)
             ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             mask = batch["action_mask"].to(device)  # (N, T)
-            logp = token_logprobs(self.model, ids, attn, action_mask=mask)  # (N, T)
+            with autocast(self.accelerator.device, self.dtype):
+                logp = token_logprobs(self.model, ids, attn, action_mask=mask)  # (N, T)
             loss = masked_nll(logp, mask, num_tokens)
             self.accelerator.backward(loss)
             total_loss += loss.item()

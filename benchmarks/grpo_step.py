@@ -73,6 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turn-rule", default="trl", choices=["trl", "agentenv"])
     p.add_argument("--only", choices=["agentenv", "trl"], help="run one system")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype of both systems (auto: bfloat16 where the hardware has it); TRL "
+        "gets bf16=/fp16= mixed precision, agentenv its default (bf16 sampling copy, LoRA "
+        "base in the dtype)",
+    )
     p.add_argument("--learning-rate", type=float, default=None, help="5e-5 LoRA / 1e-5 full")
     p.add_argument("--full-finetune", action="store_true", help="no LoRA in either system")
     p.add_argument(
@@ -172,16 +180,22 @@ def _stop_without_tool_call(env: Any) -> Any:
 def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
     """Setup, then ``steps`` x (collect + learn), timed per phase."""
     import torch
-    from accelerate import Accelerator
 
     from agentenv import models
     from agentenv.episode import ChatFormat
-    from agentenv.rollout import RolloutConfig, SamplingConfig, TransformersPolicy, collect
+    from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
+    from agentenv.rollout import RolloutConfig, collect
+    from agentenv.train import training_dtype
     from algorithms.grpo import GRPO, GRPOConfig
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    model, tokenizer = models.load(args.model, device=args.device)
+    compute = resolve_dtype(args.dtype, args.device)
+    model, tokenizer = models.load(
+        args.model,
+        dtype=training_dtype(compute, use_lora=not args.full_finetune),
+        device=args.device,
+    )
     config = GRPOConfig(
         group_size=args.group_size,
         learning_rate=args.learning_rate,
@@ -192,9 +206,9 @@ def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
         temperature=1.0,
         seed=args.seed,
     )
-    algo = GRPO(model, tokenizer, config, Accelerator(cpu=args.device == "cpu"))
+    algo = GRPO(model, tokenizer, config, dtype=compute)
     fmt = ChatFormat(tokenizer)
-    policy = TransformersPolicy(algo.unwrapped_model, tokenizer)
+    policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
     rollout = RolloutConfig(
         args.group_size,
         args.max_turns,
@@ -360,6 +374,13 @@ def _reward_fn(env: Any, reward_noise: float) -> Any:
     return calculator_reward
 
 
+def _compute_dtype(args: argparse.Namespace) -> str:
+    """``--dtype`` resolved on this machine: the same compute dtype for both systems."""
+    from agentenv.generation import resolve_dtype
+
+    return str(resolve_dtype(args.dtype, args.device)).removeprefix("torch.")
+
+
 def _trl_config(args: argparse.Namespace, output_dir: str) -> Any:
     from trl import GRPOConfig
 
@@ -388,8 +409,8 @@ def _trl_config(args: argparse.Namespace, output_dir: str) -> Any:
         num_iterations=1,
         scale_rewards="group",
         use_cpu=args.device == "cpu",
-        bf16=False,
-        fp16=False,
+        bf16=_compute_dtype(args) == "bfloat16",  # TRL's mixed precision: fp32 weights
+        fp16=_compute_dtype(args) == "float16",
         gradient_checkpointing=False,
         shuffle_dataset=False,
         logging_steps=1,
@@ -497,7 +518,8 @@ def matched_settings(args: argparse.Namespace) -> list[str]:
         targets = ",".join(lo["targets"])
         lora = f"LoRA r={lo['r']} alpha={lo['alpha']} dropout={lo['dropout']} on {targets}"
     return [
-        f"model {args.model}, {args.device}, fp32, torch threads {_threads()}",
+        f"model {args.model}, {args.device}, compute dtype {_compute_dtype(args)} (--dtype "
+        f"{args.dtype}), torch threads {_threads()}",
         f"{ENV_ID} source={args.source} prompt_style={args.prompt_style}; same task ids; "
         f"same calculator tool and scoring",
         f"B={args.batch_size} tasks x G={args.group_size} per step; temperature 1.0, no top-k/p",

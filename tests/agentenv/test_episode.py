@@ -7,7 +7,8 @@ import torch
 
 import agentenv
 from agentenv.episode import ChatFormat, Episode, EpisodeBuilder, collate
-from agentenv.rollout import RolloutConfig, SamplingConfig, ScriptedPolicy, collect
+from agentenv.generation import SamplingConfig
+from agentenv.rollout import RolloutConfig, ScriptedPolicy, collect
 
 # A Qwen2.5-style template with tool support: tool results are grouped into a user turn
 # wrapped in <tool_response> tags (as Qwen2.5 and TRL's qwen2_5.jinja render them).

@@ -5,7 +5,8 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 import agentenv
 from agentenv.episode import ChatFormat, collate
 from agentenv.errors import InvalidOptionError
-from agentenv.rollout import RolloutConfig, SamplingConfig, TransformersPolicy, collect
+from agentenv.generation import SamplingConfig, TransformersPolicy
+from agentenv.rollout import RolloutConfig, collect
 
 
 class RecordingPolicy(TransformersPolicy):
@@ -25,12 +26,12 @@ def make_env():
     return agentenv.make("Calculator-v0", source="basic_arithmetic", num_tasks=50)
 
 
-def rollout(model, tokenizer, **kwargs):
+def rollout(model, tokenizer, dtype="float32", **kwargs):
     sampling = kwargs.pop("sampling", SamplingConfig(max_new_tokens=12))
     config = RolloutConfig(
         group_size=3, max_turns=2, sampling=sampling, show_progress=False, **kwargs
     )
-    policy = RecordingPolicy(model, tokenizer)
+    policy = RecordingPolicy(model, tokenizer, dtype=dtype)
     groups, metrics = collect(make_env, [4, 9], policy, ChatFormat(tokenizer), config)
     return policy, groups, metrics
 

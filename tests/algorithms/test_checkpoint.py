@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from agentenv.errors import InvalidOptionError
 from agentenv.models import tiny_model as build
 from algorithms.checkpoint import MARKER, latest_checkpoint
-from algorithms.grpo import GRPO, GRPOConfig, collate, token_logprobs
+from algorithms.grpo import GRPO, GRPOConfig, collate
+from algorithms.logprobs import token_logprobs
 
 # peft 0.21 reads a property transformers 5.23 deprecated; nothing for us to act on
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")

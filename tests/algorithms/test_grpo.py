@@ -17,9 +17,8 @@ from algorithms.grpo import (
     compute_advantages,
     pack_micro_batches,
     policy_loss,
-    selective_log_softmax,
-    token_logprobs,
 )
+from algorithms.logprobs import selective_log_softmax, token_logprobs
 
 LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "gspo"]
 METRIC_KEYS = {

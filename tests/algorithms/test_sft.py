@@ -26,8 +26,11 @@ def episodes(tokenizer, n=4):
 
 
 def test_only_policy_tokens_get_gradient(tiny_model, tokenizer):
-    """The loss's gradient w.r.t. the logits is exactly 0 at every unmasked position."""
-    from algorithms.grpo import token_logprobs
+    """The loss's gradient w.r.t. each position's output is exactly 0 where nothing is scored.
+
+    The hook sits on the final norm, whose output feeds the LM head (applied in chunks).
+    """
+    from algorithms.logprobs import token_logprobs
 
     ep = episodes(tokenizer, 1)[0]
     ids = torch.tensor([ep.input_ids])
@@ -38,10 +41,10 @@ def test_only_policy_tokens_get_gradient(tiny_model, tokenizer):
         output.retain_grad()
         captured["logits"] = output
 
-    handle = tiny_model.get_output_embeddings().register_forward_hook(keep)
+    handle = tiny_model.model.norm.register_forward_hook(keep)
     masked_nll(token_logprobs(tiny_model, ids, torch.ones_like(ids)), mask, mask.sum()).backward()
     handle.remove()
-    grad = captured["logits"].grad[0]  # (T, V); position t-1 scores token t
+    grad = captured["logits"].grad[0]  # (T, H); position t-1 scores token t
     scored = {t - 1 for t in range(1, ids.shape[1]) if ep.action_mask[t]}
     for pos in range(ids.shape[1]):
         assert bool(grad[pos].abs().sum() > 0) == (pos in scored)

@@ -1,0 +1,240 @@
+"""Per-token log-probs of sequences under a causal LM, without whole-vocabulary tensors.
+
+A training forward over ``N`` sequences of ``T`` tokens would normally materialise float32
+logits ``(N, T, V)`` (V = 49152 for SmolLM2: 0.8 GB for 4096 tokens) plus a softmax and a
+gradient of the same size. Here the model runs up to its last hidden layer only; the LM
+head is applied to chunks of at most ``chunk_tokens`` positions, each chunk's
+``log p(token)`` is taken in float32, and, when gradients are needed, the chunk's logits
+are recomputed in the backward pass (activation checkpointing of the head alone) instead of
+being kept. Only positions from the first policy token on get logits at all
+(``logits_to_keep``): the shared prompt needs none.
+
+Models whose head is not a plain ``nn.Linear`` (a LoRA-adapted head, logit soft-capping
+or scaling) fall back to the model's own logits, still in chunks of sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_TOKENS = 1024  # LM-head positions per chunk: 1024 x 49152 floats = 0.2 GB
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits).gather(-1, index)`` for logits ``(N, T, V)``, index ``(N, T)``.
+
+    Computes ``logit[index] - logsumexp(logits)`` one row at a time in float32, so no
+    ``(N, T, V)`` log-softmax copy is made. Returns float32 ``(N, T)``.
+    """
+    selected = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).float()  # (N, T)
+    logsumexp = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])  # (N, T)
+    return selected - logsumexp
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``*ForCausalLM`` inside distributed and peft wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP / accelerate wrappers
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()  # peft
+    return model
+
+
+def _plain_head(model: torch.nn.Module) -> tuple[str, torch.nn.Linear] | None:
+    """``(attribute name, head)`` when the LM head is a plain linear layer we may bypass."""
+    lm = _unwrap(model)
+    get_head = getattr(lm, "get_output_embeddings", None)
+    head = get_head() if get_head else None
+    config = getattr(lm, "config", None)
+    if type(head) is not torch.nn.Linear or any(
+        getattr(config, key, None) not in (None, 1.0)
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    ):
+        return None
+    name = next((n for n, child in lm.named_children() if child is head), None)
+    return (name, head) if name else None
+
+
+@contextlib.contextmanager
+def _hidden_states_out(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Make the model return its last hidden states in ``.logits`` (head -> identity)."""
+    lm = _unwrap(model)
+    head = getattr(lm, name)
+    setattr(lm, name, torch.nn.Identity())
+    try:
+        yield
+    finally:
+        setattr(lm, name, head)
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head + log-softmax of one chunk: hidden ``(N, c, H)`` -> log-probs, entropy ``(N, c)``."""
+    logits = F.linear(hidden, weight, bias).float()  # (N, c, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logsumexp = logits.logsumexp(-1)  # (N, c)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp  # (N, c)
+    entropy = torch.zeros_like(logsumexp)
+    if with_entropy:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            entropy = logsumexp.detach() - (probs * logits.detach()).sum(-1)
+    return logp, entropy
+
+
+MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a second forward call
+
+
+def _forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keep: int,
+    max_prefix: int,
+) -> torch.Tensor:
+    """``model(...).logits`` of the last ``keep`` positions, prefilling a shared prefix once.
+
+    The prefix (at most ``max_prefix`` tokens, common to every row and unpadded) runs
+    with batch 1 through the model *without* its distributed wrapper, so a DDP model sees
+    one forward per backward; its KV cache is repeated to every row and the rest of the
+    rows runs through ``model`` itself with explicit positions.
+    """
+    n, t = input_ids.shape
+    prefix = 0
+    if n > 1 and max_prefix >= MIN_SHARED_PREFIX:
+        same = (input_ids[:, :max_prefix] == input_ids[:1, :max_prefix]).all(0)
+        same &= attention_mask[:, :max_prefix].all(0).bool()
+        prefix = int(same.long().cumprod(0).sum())  # length of the common run from 0
+    if prefix < MIN_SHARED_PREFIX or keep > t - prefix:
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
+        ).logits
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+        inner = inner.module  # DDP / accelerate wrappers
+    cache = inner(input_ids=input_ids[:1, :prefix], use_cache=True, logits_to_keep=1)
+    cache = cache.past_key_values
+    if cache is None:  # no KV cache under gradient checkpointing: run every row in full
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
+        ).logits
+    cache.batch_repeat_interleave(n)
+    positions = torch.arange(prefix, t, device=input_ids.device).expand(n, -1)
+    return model(
+        input_ids=input_ids[:, prefix:],
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+    ).logits
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    action_mask: torch.Tensor | None = None,
+    with_entropy: bool = False,
+    chunk_tokens: int = CHUNK_TOKENS,
+    share_prefix: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward: per-token log-probs ``(N, T)`` and, optionally, entropies ``(N, T)``.
+
+    Sequences are right-padded; ``logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``
+    at temperature ``temperature``. Position 0 and padding get 0. With ``action_mask``,
+    positions before the first policy token of any row get 0 too (no logits are made for
+    them). Differentiable unless called under ``no_grad``; the entropy never is.
+
+    With ``share_prefix``, tokens that every row has in common before the first scored
+    position (a GRPO group's prompt, or at least the system prompt) run through the model
+    once, and the rows continue from that prefix's KV cache: the same values to float
+    rounding, the same gradients (they flow back through the cache), a fraction of the work.
+    """
+    n, t = input_ids.shape
+    start = 1
+    if action_mask is not None and action_mask.any():
+        start = max(1, int(action_mask.any(dim=0).float().argmax()))  # first scored token
+    keep = t - start + 1  # positions start-1 .. T-1; the last predicts nothing
+    targets = input_ids[:, start:]  # (N, T-start)
+    head = _plain_head(model)
+
+    def run(m: torch.nn.Module) -> torch.Tensor:
+        return _forward(m, input_ids, attention_mask, keep, start - 1 if share_prefix else 0)
+
+    if head is None:
+        logits = run(model)[:, :-1]  # (N, T-start, V)
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = selective_log_softmax(logits, targets)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                logprobs = [torch.log_softmax(row.float(), -1) for row in logits]
+                entropy = torch.stack([-(lp.exp() * lp).sum(-1) for lp in logprobs])
+    else:
+        name, linear = head
+        with _hidden_states_out(model, name):
+            hidden = run(model)[:, :-1]  # (N, T-start, H)
+        step = max(1, chunk_tokens // n)  # positions per chunk
+        parts = []
+        for s in range(0, hidden.shape[1], step):
+            args = (hidden[:, s : s + step], linear.weight, linear.bias, targets[:, s : s + step])
+            if torch.is_grad_enabled():  # keep only the hidden chunk; recompute logits later
+                parts.append(
+                    checkpoint(
+                        _chunk_logprobs, *args, temperature, with_entropy, use_reentrant=False
+                    )
+                )
+            else:
+                parts.append(_chunk_logprobs(*args, temperature, with_entropy))
+        logp = torch.cat([p[0] for p in parts], dim=1)  # (N, T-start)
+        entropy = torch.cat([p[1] for p in parts], dim=1) if with_entropy else None
+    logp = F.pad(logp, (start, 0)).masked_fill(attention_mask == 0, 0.0)  # (N, T)
+    if entropy is not None:
+        entropy = F.pad(entropy.detach(), (start, 0))  # (N, T)
+    return logp, entropy
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    action_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-prob of every token under ``model``, aligned to input positions: ``(N, T)``.
+
+    Sequences must be right-padded (positions are counted from 0, as in ``collate``).
+    Position 0 and padding get 0. ``chunk_size`` sequences (default: all) run through the
+    model at a time. With ``action_mask`` only positions from the first policy token on are
+    scored (the rest are 0). Differentiable unless under ``no_grad``.
+    """
+    rows = chunk_size or input_ids.shape[0]
+    return torch.cat(
+        [
+            forward_logprobs(
+                model,
+                input_ids[i : i + rows],
+                attention_mask[i : i + rows],
+                temperature,
+                action_mask=None if action_mask is None else action_mask[i : i + rows],
+            )[0]
+            for i in range(0, input_ids.shape[0], rows)
+        ]
+    )

@@ -1,0 +1,176 @@
+"""The generation backend: exact log-probs, shared prefixes, stop strings, weight sync."""
+
+import pytest
+import torch
+
+from agentenv import generation
+from agentenv.errors import InvalidOptionError
+from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
+from algorithms.logprobs import token_logprobs
+
+GREEDY = SamplingConfig(max_new_tokens=10, temperature=0.0, stop_strings=[])
+
+
+def prompts(tokenizer):
+    """Three prompts with a common 2-message prefix and suffixes of different lengths."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 4}
+    users = ["What is 2 + 2?", "Name a colour.", "Spell the word 'calculator' backwards please."]
+    return [
+        tokenizer.apply_chat_template(
+            [system, {"role": "user", "content": u}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for u in users
+    ]
+
+
+def recompute(model, prompt, gen, temperature=1.0):
+    """log p(token) of a generation's tokens under a plain forward pass of ``model``."""
+    ids = torch.tensor([list(prompt) + gen.token_ids])
+    with torch.no_grad():
+        logp = token_logprobs(model, ids, torch.ones_like(ids), temperature)
+    return logp[0, len(prompt) :]
+
+
+def test_resolve_dtype(monkeypatch):
+    monkeypatch.setattr(generation, "cpu_supports_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(generation, "cpu_supports_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert resolve_dtype(torch.bfloat16) == torch.bfloat16
+    with pytest.raises(InvalidOptionError, match="float16.*needs a GPU.*bfloat16"):
+        resolve_dtype("float16", "cpu")
+    with pytest.raises(InvalidOptionError, match="'fp8'"):
+        resolve_dtype("fp8")
+
+
+def test_sampling_config_validation():
+    with pytest.raises(InvalidOptionError, match="top_k"):
+        SamplingConfig(top_k=-1)
+    with pytest.raises(InvalidOptionError, match="stop_strings"):
+        SamplingConfig(stop_strings=[""])
+
+
+def test_fp32_logprobs_match_a_forward_pass(tiny_model, tokenizer):
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    assert policy.model is tiny_model  # plain and already float32: no copy
+    torch.manual_seed(0)
+    ps = prompts(tokenizer)
+    gens = policy.generate(ps, SamplingConfig(12, temperature=1.0, stop_strings=[]))
+    for p, g in zip(ps, gens, strict=True):
+        assert len(g.token_ids) == len(g.logprobs) >= 1
+        expected = recompute(tiny_model, p, g)
+        assert (expected - torch.tensor(g.logprobs)).abs().mean() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_prefix_and_batching_do_not_change_results(tiny_model, tokenizer, dtype):
+    ps = prompts(tokenizer)
+    shared = TransformersPolicy(tiny_model, tokenizer, dtype=dtype).generate(ps, GREEDY)
+    alone = [
+        TransformersPolicy(tiny_model, tokenizer, dtype=dtype, share_prefix=False).generate(
+            [p], GREEDY
+        )[0]
+        for p in ps
+    ]
+    tol = 1e-5 if dtype == "float32" else 0.05  # bf16: other batch shapes, other rounding
+    for a, b in zip(shared, alone, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=tol)
+
+
+def test_stop_string_cuts_the_turn_without_changing_earlier_tokens(tiny_model, tokenizer):
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    p = prompts(tokenizer)[:1]
+    full = policy.generate(p, GREEDY)[0]
+    assert len(full.token_ids) == 10 and full.finish_reason == "length"
+    stop = tokenizer.decode(full.token_ids[3:5])  # text that appears after token 5 at the latest
+    cut = policy.generate(p, SamplingConfig(10, temperature=0.0, stop_strings=[stop]))[0]
+    k = len(cut.token_ids)
+    assert cut.finish_reason == "stop_string" and k <= 5
+    assert cut.token_ids == full.token_ids[:k]  # exactly the sampled tokens, nothing after
+    assert cut.logprobs == pytest.approx(full.logprobs[:k], abs=1e-6)
+    assert stop in tokenizer.decode(cut.token_ids)
+    assert stop not in tokenizer.decode(cut.token_ids[:-1])  # cut at the first completion
+
+
+def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_model, tokenizer):
+    ps = prompts(tokenizer)
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    full = policy.generate(ps, GREEDY)
+    stop = tokenizer.decode(full[1].token_ids[1:3])  # row 1 stops after <= 3 tokens
+    both = policy.generate(ps, SamplingConfig(10, temperature=0.0, stop_strings=[stop]))
+    assert both[1].finish_reason == "stop_string" and len(both[1].token_ids) <= 3
+    for i in (0, 2):
+        if both[i].finish_reason == "length":
+            assert both[i].token_ids == full[i].token_ids
+            assert both[i].logprobs == pytest.approx(full[i].logprobs, abs=1e-5)
+
+
+def test_stop_token_is_kept_and_ends_the_turn(tiny_model, tokenizer):
+    ps = prompts(tokenizer)
+    first = TransformersPolicy(tiny_model, tokenizer, dtype="float32").generate(ps, GREEDY)
+    token = first[0].token_ids[2]
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32", stop_token_ids=[token])
+    gen = policy.generate(ps[:1], GREEDY)[0]
+    assert gen.finish_reason == "stop" and gen.token_ids[-1] == token
+    assert gen.token_ids == first[0].token_ids[: len(gen.token_ids)]
+
+
+def test_lora_copy_is_merged_and_resynced_after_an_optimizer_step(tiny_model, tokenizer):
+    from algorithms.lora import apply_lora
+
+    peft_model = apply_lora(tiny_model, 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], seed=0)
+    policy = TransformersPolicy(peft_model, tokenizer, dtype="float32")
+    assert policy.model is not peft_model and not hasattr(policy.model, "peft_config")
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    ps = prompts(tokenizer)
+    ids = torch.tensor([ps[0]])
+    for _ in range(2):  # LoRA B starts at 0: after one step the adapter matters
+        token_logprobs(peft_model, ids, torch.ones_like(ids)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.manual_seed(1)
+        gens = policy.generate(ps, SamplingConfig(8, temperature=1.0, stop_strings=[]))
+        for p, g in zip(ps, gens, strict=True):
+            diff = (recompute(peft_model, p, g) - torch.tensor(g.logprobs)).abs()
+            assert diff.mean() < 1e-3  # the issue's bound for float32
+    merged = dict(policy.model.named_parameters())
+    base = peft_model.get_base_model().model.layers[0].self_attn.q_proj
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], base.weight)
+
+
+def test_bf16_sampler_logprobs_stay_close_to_the_float32_trainer(tiny_model, tokenizer):
+    """bf16 sampling vs a float32 recomputation of the same weights: measured, bounded."""
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16")
+    assert policy.model is not tiny_model
+    assert next(policy.model.parameters()).dtype == torch.bfloat16
+    torch.manual_seed(0)
+    ps = prompts(tokenizer)
+    gens = policy.generate(ps, SamplingConfig(12, temperature=1.0, stop_strings=[]))
+    diffs = torch.cat(
+        [
+            (recompute(tiny_model, p, g) - torch.tensor(g.logprobs)).abs()
+            for p, g in zip(ps, gens, strict=True)
+        ]
+    )
+    assert diffs.mean() < 0.05  # measured ~0.01 for this model; SmolLM2 in the README
+
+
+def test_sampler_draws_from_the_warped_distribution():
+    """Frequencies follow softmax(logits / T) after top-k; cut tokens are never drawn."""
+    from agentenv.generation import _sample, _warpers
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0, -9.0]]).repeat(20000, 1)
+    sampling = SamplingConfig(temperature=2.0, top_k=3)
+    torch.manual_seed(0)
+    token, logp = _sample(logits, 2.0, _warpers(sampling))
+    cut = float("-inf")
+    probs = torch.softmax(torch.tensor([2.0, 1.0, cut, cut, 5.0, cut]) / 2, 0)  # top-3 kept
+    freq = torch.bincount(token, minlength=6).double() / len(token)
+    assert freq[2] == freq[3] == freq[5] == 0
+    assert torch.allclose(freq, probs.double(), atol=0.01)
+    assert torch.allclose(logp, probs.log()[token], atol=1e-6)
+    greedy, _ = _sample(logits[:2], 0.0, [])
+    assert greedy.tolist() == [4, 4]
