@@ -306,19 +306,40 @@ def collate(
     )
 
 
-def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Group indices, longest first, while ``len(batch) * longest <= token_budget``.
+def pack_micro_batches(
+    lengths: Sequence[int],
+    token_budget: int,
+    shared: Sequence[tuple[int, int]] | None = None,
+) -> list[list[int]]:
+    """Group indices, longest first, while a micro-batch's cost stays within ``token_budget``.
 
-    A sequence longer than the budget gets a micro-batch of its own.
+    Without ``shared`` the cost is ``len(batch) * longest``. With ``shared[i] = (key,
+    prefix)``, sequences with the same key begin with the same ``prefix`` tokens (a GRPO
+    group's prompt); only they are packed together, and the prefix is counted once:
+    ``prefix + len(batch) * (longest - prefix)`` (it runs once, see
+    :func:`algorithms.logprobs.forward_logprobs`). A sequence over the budget gets a
+    micro-batch of its own.
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    keys = [(k, p) for k, p in shared] if shared is not None else [(0, 0)] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (keys[i][0], -lengths[i], i))
     batches: list[list[int]] = []
     for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
-            batches[-1].append(i)
+        key, prefix = keys[i]
+        last = batches[-1] if batches else None
+        if (
+            last is not None
+            and keys[last[0]][0] == key
+            and prefix + (len(last) + 1) * (lengths[last[0]] - prefix) <= token_budget
+        ):
+            last.append(i)
         else:
             batches.append([i])
     return batches
+
+
+def _prompt_length(action_mask: Sequence[int]) -> int:
+    """Tokens before the first policy token (the episode's prompt)."""
+    return next((t for t, m in enumerate(action_mask) if m), len(action_mask))
 
 
 class GRPO:
@@ -530,8 +551,11 @@ class GRPO:
         length = (
             cfg.max_completion_length or self._global([max(policy_counts, default=0)], "max")[0]
         )
+        prompts = [  # a group's episodes share their prompt: pack them together
+            (i // cfg.group_size, _prompt_length(episodes[i].action_mask)) for i in keep
+        ]
         packs = pack_micro_batches(
-            [len(episodes[i].input_ids) for i in keep], cfg.micro_batch_tokens
+            [len(episodes[i].input_ids) for i in keep], cfg.micro_batch_tokens, prompts
         )
         batches = [
             collate(

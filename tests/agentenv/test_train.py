@@ -176,3 +176,19 @@ def test_quickstart_reports_the_share_of_groups_with_a_learning_signal(tmp_path,
     out = capsys.readouterr().out
     assert "reward per step: 0.00 0.25;" in out
     assert "(reward variance > 0): 25%." in out
+
+
+def test_quickstart_says_whether_the_held_out_gain_is_significant(tmp_path, capsys):
+    from agentenv.cli import _print_learning_signal
+    from agentenv.evaluate import EvalReport
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    EvalReport({}, [0.0, 0.0, 1.0, 0.0]).save(tmp_path / "eval" / "before.json")
+    EvalReport({}, [1.0, 1.0, 1.0, 0.0]).save(tmp_path / "eval" / "after.json")
+    _print_learning_signal(tmp_path)
+    out = capsys.readouterr().out  # diffs 1,1,0,0: mean 0.5, stderr sqrt(1/3 / 4) = 0.289
+    assert "+0.500 ± 0.289 (paired stderr): NOT more than 2 standard errors" in out
+    EvalReport({}, [1.0] * 4).save(tmp_path / "eval" / "after.json")
+    EvalReport({}, [0.0] * 4).save(tmp_path / "eval" / "before.json")
+    _print_learning_signal(tmp_path)
+    assert "+1.000 ± 0.000 (paired stderr): more than 2" in capsys.readouterr().out

@@ -327,6 +327,15 @@ def test_pack_micro_batches_respects_the_token_budget():
         assert len(pack) * max(lengths[i] for i in pack) <= 60
 
 
+def test_pack_micro_batches_counts_a_shared_prompt_once():
+    lengths = [50, 45, 48, 60, 30]  # two groups: prompts of 40 and 20 tokens
+    shared = [(0, 40), (0, 40), (0, 40), (1, 20), (1, 20)]
+    packs = pack_micro_batches(lengths, token_budget=70, shared=shared)
+    # group 0: 40 + 3 x 10 = 70 fits; group 1: 20 + 2 x 40 = 100 does not
+    assert packs == [[0, 2, 1], [3], [4]]
+    assert pack_micro_batches(lengths, token_budget=70) == [[3], [0], [2], [1], [4]]
+
+
 def test_collate_right_pads():
     episodes = [Ep([5, 6, 7], [0, 1, 1], [0, -1, -2], 1.0), Ep([8, 9], [0, 1], [0, -3], 0.0)]
     mb = collate(episodes, [0.5, -0.5], pad_token_id=2)
