@@ -11,11 +11,14 @@ model's forward pass instead of ``model.generate``, because that lets it:
   every optimizer step (:meth:`TransformersPolicy.sync`, also done automatically when the
   trained weights changed) -- the way TRL syncs weights into vLLM. A model that already
   is plain and in the sampling dtype is used as is (no copy).
-* **prefill a shared prompt once.** The longest prefix common to every prompt of a call
-  (the system prompt and tool specs; the whole prompt within a GRPO group) is run once
-  with batch 1 and its KV cache repeated to every row. The rest of each prompt follows
-  after a masked gap (``[prefix][pad...][suffix]``; positions come from the attention
-  mask, so every row sees exactly its own prompt).
+* **prefill each distinct prompt once.** Identical prompts (a GRPO group's first turn)
+  are prefilled once and their KV cache copied to every row; the prefix common to every
+  prompt (the system prompt and tool specs) runs once with batch 1.
+* **continue an episode from its cache.** The KV cache of every sequence a call returns
+  is kept until the next call; a prompt that extends one (the same episode's next turn:
+  its last turn plus the environment's reply) starts from it, so only the new tokens are
+  prefilled. Rows sit right-aligned after a masked gap (``[cached][pad...][new]``);
+  positions come from the attention mask, so every row sees exactly its own tokens.
 * **stop on strings** (``</tool_call>``, ``</answer>``: the env ignores the rest of a turn)
   as well as on stop tokens. The recorded tokens are exactly those sampled, up to and
   including the one that completed the stop string.
@@ -217,6 +220,9 @@ class TransformersPolicy:
             config's EOS ids).
         share_prefix: Prefill the prompts' common prefix once (off: every row prefills
             its whole prompt; the results agree to float rounding).
+        reuse_cache: Keep each returned sequence's KV cache until the next call, and
+            continue from it when a prompt extends it (the same episode's next turn):
+            only the environment's new tokens are prefilled.
     """
 
     def __init__(
@@ -227,8 +233,11 @@ class TransformersPolicy:
         dtype: str | torch.dtype = "auto",
         stop_token_ids: Sequence[int] | None = None,
         share_prefix: bool = True,
+        reuse_cache: bool = True,
     ):
         self.trained = model
+        self.reuse_cache = reuse_cache
+        self._saved: dict[tuple[int, ...], list[Any]] = {}
         self.tokenizer = tokenizer
         self.share_prefix = share_prefix
         param = next(model.parameters())
@@ -267,6 +276,7 @@ class TransformersPolicy:
         the last copy; call it yourself after changing weights outside an optimizer.
         """
         self._version = _trainable_version(self._trainable)
+        self._saved = {}  # KV caches of the old weights
         if self.model is self.trained:
             return
         if not _is_peft(self.trained):  # full fine-tuning: every parameter may have moved
@@ -291,6 +301,10 @@ class TransformersPolicy:
                     weight = weight + module.get_delta_weight(a).float()
             self.model.get_submodule(name).weight.copy_(weight)
 
+    def clear_cache(self) -> None:
+        """Drop the KV caches kept for continuations (``collect`` calls it after a batch)."""
+        self._saved = {}
+
     def _refresh(self) -> None:
         if self._version != _trainable_version(self._trainable):
             self.sync()
@@ -314,42 +328,86 @@ class TransformersPolicy:
         finally:
             config._attn_implementation = attention
 
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]]
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run every prompt through the model; return the KV cache, the attention mask
+        ``(n, L)`` over its slots, the next-token logits ``(n, V)`` and next positions ``(n,)``.
+
+        Identical prompts (a GRPO group's first turn) are computed once. A prompt that
+        extends a sequence this policy generated in its previous call (the same episode's
+        next turn) continues from that sequence's saved KV cache; otherwise the prefix
+        common to all prompts runs once. Each row's tokens sit right-aligned after a masked
+        gap, with positions counted by the mask, so every row sees exactly its own prompt.
+        """
+        model, dev = self.model, self.device
+        unique: dict[tuple[int, ...], int] = {}
+        index = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        firsts = list(unique)
+        u = len(firsts)
+        reused = [self._lookup(p) for p in firsts]
+        self._saved = {}
+        cache, done = None, [0] * u  # done[i]: tokens of prompt i already in the cache
+        mask = torch.ones((u, 0), dtype=torch.long)
+        if any(r is not None for r in reused):
+            cache, mask = _cache_from(reused, self.dtype, dev)
+            done = [0 if r is None else len(r[0]) for r in reused]
+        elif self.share_prefix and u > 1:
+            prefix = min(_common_prefix(firsts), min(len(p) for p in firsts) - 1)
+            if prefix > 0:
+                ids = torch.tensor([list(firsts[0][:prefix])], device=dev)
+                cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+                cache.batch_repeat_interleave(u)
+                mask = torch.ones((u, prefix), dtype=torch.long)
+                done = [prefix] * u
+        rest = [list(p[k:]) for p, k in zip(firsts, done, strict=True)]
+        width = max(len(r) for r in rest)
+        ids = torch.full((u, width), self.pad_token_id, dtype=torch.long)
+        new = torch.zeros((u, width), dtype=torch.long)
+        for i, r in enumerate(rest):  # left-padded into the gap after the cached part
+            ids[i, width - len(r) :] = torch.tensor(r)
+            new[i, width - len(r) :] = 1
+        mask = torch.cat([mask, new], dim=1)  # (u, cached + width)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions[:, -width:].to(dev),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache, logits, next_pos = out.past_key_values, out.logits[:, -1], positions[:, -1] + 1
+        if u < len(prompts):  # copies of identical prompts share one prefill
+            rows = torch.tensor(index)
+            cache.batch_select_indices(rows.to(dev))
+            logits, mask, next_pos = logits[rows.to(logits.device)], mask[rows], next_pos[rows]
+        return cache, mask, logits, next_pos
+
+    def _lookup(self, prompt: tuple[int, ...]) -> tuple[tuple[int, ...], list[Any]] | None:
+        """The longest saved sequence that ``prompt`` extends (by at least one token)."""
+        best = None
+        for key, layers in self._saved.items():
+            if len(key) < len(prompt) and prompt[: len(key)] == key:
+                if best is None or len(key) > len(best[0]):
+                    best = (key, layers)
+        return best
+
+    def _save(self, cache: Any, j: int, mask: torch.Tensor, key: tuple[int, ...]) -> None:
+        """Keep row ``j``'s KV cache (its real slots only) for a continuation of ``key``."""
+        if not self.reuse_cache or not _plain_layers(cache):
+            return
+        real = mask.bool().to(self.device)
+        layers = [(layer.keys[j][:, real], layer.values[j][:, real]) for layer in cache.layers]
+        if layers and layers[0][0].shape[1] == len(key):
+            self._saved[key] = layers
+
     def _generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
     ) -> list[Generation]:
         model, dev = self.model, self.device
         n = len(prompts)
-        prefix = _common_prefix(prompts) if self.share_prefix and n > 1 else 0
-        prefix = min(prefix, min(len(p) for p in prompts) - 1)  # every row feeds >= 1 token
-        cache = None
-        mask = torch.ones((n, 0), dtype=torch.long)
-        if prefix > 0:
-            ids = torch.tensor([list(prompts[0][:prefix])], device=dev)
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            cache.batch_repeat_interleave(n)
-            mask = torch.ones((n, prefix), dtype=torch.long)
-        # the rest of each prompt, left-padded into the gap after the shared prefix
-        rest = [list(p[prefix:]) for p in prompts]
-        width = max(len(r) for r in rest)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        gap = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(rest):
-            ids[i, width - len(r) :] = torch.tensor(r)
-            gap[i, width - len(r) :] = 1
-        mask = torch.cat([mask, gap], dim=1)  # (n, prefix + width)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (n, prefix + width)
-        out = model(
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=positions[:, prefix:].to(dev),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache, logits = out.past_key_values, out.logits[:, -1]  # (n, V)
-        next_pos = positions[:, -1] + 1  # (n,)
-
+        cache, mask, logits, next_pos = self._prefill(prompts)
         warpers = _warpers(sampling)
         stops = set(self.stop_token_ids)
         stop_strings = list(sampling.stop_strings or [])
@@ -357,6 +415,11 @@ class TransformersPolicy:
         logps: list[list[float]] = [[] for _ in range(n)]
         reasons = ["length"] * n
         rows = list(range(n))  # prompt index of each row still in the batch
+
+        def save(j: int) -> None:
+            i = rows[j]
+            self._save(cache, j, mask[j], tuple(prompts[i]) + tuple(tokens[i][:-1]))
+
         for step in range(sampling.max_new_tokens):
             token, logp = _sample(logits, sampling.temperature, warpers)  # (r,), (r,)
             keep = []
@@ -371,8 +434,12 @@ class TransformersPolicy:
                 else:
                     keep.append(j)
             if not keep or step == sampling.max_new_tokens - 1:
+                for j in range(len(rows)):
+                    save(j)
                 break
             if len(keep) < len(rows):  # drop finished rows and their cache
+                for j in sorted(set(range(len(rows))) - set(keep)):
+                    save(j)
                 index = torch.tensor(keep)
                 cache.batch_select_indices(index.to(dev))
                 mask, next_pos, token = mask[index], next_pos[index], token[index]
@@ -396,6 +463,37 @@ class TransformersPolicy:
             )
             for i in range(n)
         ]
+
+
+def _plain_layers(cache: Any) -> bool:
+    """True for a cache of full-attention ``DynamicLayer`` s (what continuation supports)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+
+def _cache_from(
+    reused: list[tuple[tuple[int, ...], list[Any]] | None], dtype: torch.dtype, device: Any
+) -> tuple[Any, torch.Tensor]:
+    """A batch cache of saved rows, right-aligned after a masked gap; rows without one
+    are all gap. Returns the cache and its ``(rows, slots)`` attention mask."""
+    from transformers import DynamicCache
+
+    lengths = [0 if r is None else len(r[0]) for r in reused]
+    width = max(lengths)
+    sample = next(r[1] for r in reused if r is not None)
+    cache = DynamicCache()
+    for layer, (k0, v0) in enumerate(sample):
+        keys = k0.new_zeros((len(reused), k0.shape[0], width, k0.shape[2]))
+        values = v0.new_zeros((len(reused), v0.shape[0], width, v0.shape[2]))
+        for i, r in enumerate(reused):
+            if r is not None:
+                keys[i, :, width - lengths[i] :] = r[1][layer][0]
+                values[i, :, width - lengths[i] :] = r[1][layer][1]
+        cache.update(keys, values, layer)
+    mask = torch.zeros((len(reused), width), dtype=torch.long)
+    for i, k in enumerate(lengths):
+        mask[i, width - k :] = 1 if k else 0
+    return cache, mask
 
 
 def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:

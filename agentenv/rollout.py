@@ -137,6 +137,8 @@ def collect(
                 elif not t.builder.add_env(obs):
                     _finish(t, "max_tokens", bar)
     bar.close()
+    if hasattr(policy, "clear_cache"):  # no episode of this batch will be continued
+        policy.clear_cache()
     for t in trajs:
         if not t.done:
             _finish(t, "max_turns", bar)

@@ -174,3 +174,26 @@ def test_sampler_draws_from_the_warped_distribution():
     assert torch.allclose(logp, probs.log()[token], atol=1e-6)
     greedy, _ = _sample(logits[:2], 0.0, [])
     assert greedy.tolist() == [4, 4]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_next_turn_continues_from_the_saved_cache(tiny_model, tokenizer, dtype):
+    """A prompt extending the previous call's output reuses its KV cache: same result."""
+    ps = prompts(tokenizer)
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype=dtype)
+    fresh = TransformersPolicy(tiny_model, tokenizer, dtype=dtype, reuse_cache=False)
+    first = policy.generate(ps, GREEDY)
+    env = tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    turn2 = [p + g.token_ids + env for p, g in zip(ps, first, strict=True)]
+    turn2.append(ps[0] + env)  # no saved sequence is a prefix of this one
+    assert all(policy._lookup(tuple(p)) is not None for p in turn2[:3])
+    reused = policy.generate(turn2, GREEDY)
+    expected = fresh.generate(turn2, GREEDY)
+    tol = 1e-5 if dtype == "float32" else 0.05
+    for a, b in zip(reused, expected, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=tol)
+    policy.sync()  # new weights: the saved caches are dropped
+    assert policy._saved == {}
