@@ -492,7 +492,7 @@ def _cache_from(
         cache.update(keys, values, layer)
     mask = torch.zeros((len(reused), width), dtype=torch.long)
     for i, k in enumerate(lengths):
-        mask[i, width - k :] = 1 if k else 0
+        mask[i, width - k :] = 1  # k == 0: an empty slice
     return cache, mask
 
 
@@ -540,6 +540,12 @@ def _sample(
 
 
 def _has_stop(tokenizer: Any, ids: list[int], stop_strings: list[str]) -> bool:
-    """True if the text of ``ids`` contains a stop string (checked as each token arrives)."""
-    text = tokenizer.decode(ids, skip_special_tokens=False)
+    """True if a stop string ends in the text of the newest token of ``ids``.
+
+    Called as each token arrives, so an earlier match was already caught: only the last
+    ``len(longest stop) + 1`` tokens (each decodes to at least one character) are decoded,
+    not the whole turn at every step.
+    """
+    window = max(len(s) for s in stop_strings) + 1
+    text = tokenizer.decode(ids[-window:], skip_special_tokens=False)
     return any(s in text for s in stop_strings)

@@ -36,10 +36,16 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     return selected - logsumexp
 
 
+def _undistributed(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / accelerate wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The ``*ForCausalLM`` inside distributed and peft wrappers."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module  # DDP / accelerate wrappers
+    model = _undistributed(model)
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()  # peft
     return model
@@ -117,16 +123,12 @@ def _forward(
         same = (input_ids[:, :max_prefix] == input_ids[:1, :max_prefix]).all(0)
         same &= attention_mask[:, :max_prefix].all(0).bool()
         prefix = int(same.long().cumprod(0).sum())  # length of the common run from 0
-    if prefix < MIN_SHARED_PREFIX or keep > t - prefix:
-        return model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
-        ).logits
-    inner = model
-    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
-        inner = inner.module  # DDP / accelerate wrappers
-    cache = inner(input_ids=input_ids[:1, :prefix], use_cache=True, logits_to_keep=1)
-    cache = cache.past_key_values
-    if cache is None:  # no KV cache under gradient checkpointing: run every row in full
+    cache = None
+    if prefix >= MIN_SHARED_PREFIX and keep <= t - prefix:
+        cache = _undistributed(model)(
+            input_ids=input_ids[:1, :prefix], use_cache=True, logits_to_keep=1
+        ).past_key_values  # None under gradient checkpointing: every row runs in full
+    if cache is None:
         return model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
         ).logits
