@@ -323,10 +323,14 @@ class TransformersPolicy:
         attention = config._attn_implementation
         if self.device.type == "cpu" and self.dtype != torch.float32 and attention == "sdpa":
             config._attn_implementation = _register_cpu_attention()
+        head = self.model.get_output_embeddings()
+        hook = head.register_forward_pre_hook(_contiguous_input) if head is not None else None
         try:
             return self._generate(prompts, sampling)
         finally:
             config._attn_implementation = attention
+            if hook is not None:
+                hook.remove()
 
     def _prefill(
         self, prompts: Sequence[Sequence[int]]
@@ -463,6 +467,17 @@ class TransformersPolicy:
             )
             for i in range(n)
         ]
+
+
+def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Forward pre-hook of the LM head: make its input contiguous.
+
+    ``logits_to_keep=1`` hands the head the last position of every row, a strided
+    ``(n, 1, H)`` view. For a strided 3-D input a linear layer outside autocast falls back
+    to a batched matmul that first copies the ``(H, V)`` weight once per row: 1.7 GB and
+    1.6 s for a 32-row prefill of SmolLM2 in bfloat16 on the CPU, instead of a 2 MB copy.
+    """
+    return (args[0].contiguous(), *args[1:])
 
 
 def _plain_layers(cache: Any) -> bool:

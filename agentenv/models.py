@@ -233,6 +233,27 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    PyTorch frees CPU tensors to ``malloc``, which keeps much of it: between the
+    generation and learn phases of a GRPO step the process would otherwise keep their
+    leftovers and grow by 0.1 GB a step. Training calls this after each phase; it takes
+    milliseconds.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return
+    trim(0)
+
+
 def load_tokenizer(name_or_path: str = "smollm2-135m-instruct") -> PreTrainedTokenizerBase:
     """Load a model's tokenizer (alias, Hugging Face id or local folder).
 

@@ -240,7 +240,9 @@ def train(
         groups, metrics = collect(
             train_env, task_seeds(config.seed, step, config.batch_size), policy, fmt, rollout
         )
+        models.release_memory()
         metrics.update(algo.learn(groups))
+        models.release_memory()
         metrics.update(_episode_stats(groups))
         done = step + 1
         if (

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-CHUNK_TOKENS = 1024  # LM-head positions per chunk: 1024 x 49152 floats = 0.2 GB
+CHUNK_TOKENS = 256  # LM-head positions per chunk: 256 x 49152 float32 logits = 50 MB (measured
+# on a 2-core CPU: 256 is as fast as 1024 and 0.3 GB leaner in a GRPO step)
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -86,8 +87,14 @@ def _chunk_logprobs(
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head + log-softmax of one chunk: hidden ``(N, c, H)`` -> log-probs, entropy ``(N, c)``."""
-    logits = F.linear(hidden, weight, bias).float()  # (N, c, V)
+    """Head + log-softmax of one chunk: hidden ``(N, c, H)`` -> log-probs, entropy ``(N, c)``.
+
+    The chunk is a strided slice of the sequence; made contiguous, the head is one matmul.
+    (On a strided 3-D input ``F.linear`` falls back to a batched matmul that copies the
+    ``(H, V)`` weight once per row, forward and backward: a third of the learn time and
+    hundreds of MB for SmolLM2 on a CPU.)
+    """
+    logits = F.linear(hidden.contiguous(), weight, bias).float()  # (N, c, V)
     if temperature != 1.0:
         logits = logits / temperature
     logsumexp = logits.logsumexp(-1)  # (N, c)

@@ -238,8 +238,10 @@ def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
         for ep in episodes:
             policy_ids = [t for t, a in zip(ep.input_ids, ep.action_mask, strict=True) if a]
             ep.reward += args.reward_noise * token_hash(policy_ids)
+        models.release_memory()  # as `agentenv train` does after each phase
         t_learn = time.perf_counter()
         metrics = algo.learn(groups)
+        models.release_memory()
         end = time.perf_counter()
         result["steps"].append(
             {

@@ -63,6 +63,20 @@ def test_fp32_logprobs_match_a_forward_pass(tiny_model, tokenizer):
         assert (expected - torch.tensor(g.logprobs)).abs().mean() < 1e-5
 
 
+def test_lm_head_gets_contiguous_rows_and_the_model_is_left_unhooked(tiny_model, tokenizer):
+    seen = []
+    head = tiny_model.get_output_embeddings()
+    probe = head.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    try:
+        policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+        policy.generate(prompts(tokenizer), SamplingConfig(3, temperature=0.0, stop_strings=[]))
+    finally:
+        probe.remove()
+    assert seen and all(x.is_contiguous() for x in seen)  # the prefill's last rows too
+    assert any(x.shape[:2] == (3, 1) for x in seen)  # (rows, logits_to_keep=1)
+    assert not head._forward_pre_hooks  # our hook lives only inside generate()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_shared_prefix_and_batching_do_not_change_results(tiny_model, tokenizer, dtype):
     ps = prompts(tokenizer)
