@@ -238,6 +238,7 @@ class TransformersPolicy:
         self.trained = model
         self.reuse_cache = reuse_cache
         self._saved: dict[tuple[int, ...], list[Any]] = {}
+        self._token_text: dict[int, str] = {}  # token id -> its text alone (stop checks)
         self.tokenizer = tokenizer
         self.share_prefix = share_prefix
         param = next(model.parameters())
@@ -304,6 +305,18 @@ class TransformersPolicy:
     def clear_cache(self) -> None:
         """Drop the KV caches kept for continuations (``collect`` calls it after a batch)."""
         self._saved = {}
+
+    def _may_end(self, token: int, finals: frozenset[str]) -> bool:
+        """False if ``token`` cannot complete a stop string: its own text has none of the
+        stop strings' last characters. Saves decoding a window of the turn for most tokens.
+        Stop strings ending in whitespace or a non-ASCII character are always checked (a
+        token's text alone may drop a leading space, or hold part of a character)."""
+        if any(not c.isascii() or c.isspace() for c in finals):
+            return True
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return any(c in text for c in finals)
 
     def _refresh(self) -> None:
         if self._version != _trainable_version(self._trainable):
@@ -415,6 +428,7 @@ class TransformersPolicy:
         warpers = _warpers(sampling)
         stops = set(self.stop_token_ids)
         stop_strings = list(sampling.stop_strings or [])
+        finals = frozenset(s[-1] for s in stop_strings)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         reasons = ["length"] * n
@@ -433,7 +447,11 @@ class TransformersPolicy:
                 logps[i].append(lp)
                 if t in stops:
                     reasons[i] = "stop"
-                elif stop_strings and _has_stop(self.tokenizer, tokens[i], stop_strings):
+                elif (
+                    stop_strings
+                    and self._may_end(t, finals)
+                    and _has_stop(self.tokenizer, tokens[i], stop_strings)
+                ):
                     reasons[i] = "stop_string"
                 else:
                     keep.append(j)

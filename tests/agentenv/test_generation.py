@@ -108,6 +108,27 @@ def test_stop_string_cuts_the_turn_without_changing_earlier_tokens(tiny_model, t
     assert stop not in tokenizer.decode(cut.token_ids[:-1])  # cut at the first completion
 
 
+def test_stop_string_check_skips_no_token_that_completes_one(tiny_model, tokenizer):
+    """Tokens whose text lacks every stop string's last character are not checked; the cut
+    must still land where decoding the whole turn after every token first finds a stop."""
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    p = prompts(tokenizer)[:1]
+    torch.manual_seed(0)  # sampled (random-vocabulary text), replayed with the same seed
+    full = policy.generate(p, SamplingConfig(24, stop_strings=[]))[0]
+    texts = [tokenizer.decode(full.token_ids[: k + 1]) for k in range(24)]
+    checked = 0
+    for k in range(1, 24):
+        stop = texts[k][-3:]
+        if not stop or not stop[-1].isascii() or stop[-1].isspace():
+            continue  # those are always checked; the skip rule is for ASCII endings
+        first = next(j for j in range(24) if stop in texts[j])  # brute force
+        torch.manual_seed(0)
+        cut = policy.generate(p, SamplingConfig(24, stop_strings=[stop]))[0]
+        assert len(cut.token_ids) == first + 1 and cut.finish_reason == "stop_string"
+        checked += 1
+    assert checked >= 5
+
+
 def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_model, tokenizer):
     ps = prompts(tokenizer)
     policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
