@@ -25,7 +25,7 @@ model's forward pass instead of ``model.generate``, because that lets it:
 * **drop finished rows** from the batch (and their KV cache) at once, so a trajectory
   that ends early stops costing compute.
 
-On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at about 3x the tok/s of plain
+On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at about 2x the tok/s of plain
 ``generate`` in float32 (``python benchmarks/generation.py``).
 """
 
