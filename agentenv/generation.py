@@ -306,12 +306,11 @@ class TransformersPolicy:
         """Drop the KV caches kept for continuations (``collect`` calls it after a batch)."""
         self._saved = {}
 
-    def _may_end(self, token: int, finals: frozenset[str]) -> bool:
+    def _may_end(self, token: int, finals: frozenset[str] | None) -> bool:
         """False if ``token`` cannot complete a stop string: its own text has none of the
-        stop strings' last characters. Saves decoding a window of the turn for most tokens.
-        Stop strings ending in whitespace or a non-ASCII character are always checked (a
-        token's text alone may drop a leading space, or hold part of a character)."""
-        if any(not c.isascii() or c.isspace() for c in finals):
+        stop strings' last characters ``finals`` (None: always check). Saves decoding a
+        window of the turn for most tokens."""
+        if finals is None:
             return True
         text = self._token_text.get(token)
         if text is None:
@@ -428,7 +427,11 @@ class TransformersPolicy:
         warpers = _warpers(sampling)
         stops = set(self.stop_token_ids)
         stop_strings = list(sampling.stop_strings or [])
-        finals = frozenset(s[-1] for s in stop_strings)
+        # Stop strings ending in whitespace or a non-ASCII character are always checked:
+        # a token's text alone may drop a leading space, or hold part of a character.
+        finals: frozenset[str] | None = frozenset(s[-1] for s in stop_strings)
+        if any(not c.isascii() or c.isspace() for c in finals):
+            finals = None
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         reasons = ["length"] * n

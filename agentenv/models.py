@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import logging
@@ -21,7 +22,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -233,6 +234,19 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")  # runs ldconfig: once per process
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
 def release_memory() -> None:
     """Hand freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
 
@@ -241,17 +255,9 @@ def release_memory() -> None:
     leftovers and grow by 0.1 GB a step. Training calls this after each phase; it takes
     milliseconds.
     """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
-        return
-    trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def load_tokenizer(name_or_path: str = "smollm2-135m-instruct") -> PreTrainedTokenizerBase:

@@ -91,8 +91,8 @@ def _chunk_logprobs(
 
     The chunk is a strided slice of the sequence; made contiguous, the head is one matmul.
     (On a strided 3-D input ``F.linear`` falls back to a batched matmul that copies the
-    ``(H, V)`` weight once per row, forward and backward: a third of the learn time and
-    hundreds of MB for SmolLM2 on a CPU.)
+    ``(H, V)`` weight once per row, forward and backward: about a fifth of the learn time
+    and hundreds of MB for SmolLM2 on a CPU.)
     """
     logits = F.linear(hidden.contiguous(), weight, bias).float()  # (N, c, V)
     if temperature != 1.0:
