@@ -16,6 +16,9 @@ Variants (``--variants`` picks some):
 * ``agentenv_fp32``: :class:`agentenv.TransformersPolicy` in float32.
 * ``agentenv_bf16_noshare``: bfloat16, every row prefills its whole prompt.
 * ``agentenv``: the default (``dtype="auto"``, shared prefix), stop tokens only.
+* ``agentenv_lora``: the default on a model as GRPO trains it: base weights in the auto
+  dtype, a LoRA adapter (r 16, every linear layer, non-zero update) that the sampler keeps
+  unmerged (merged into bf16 weights most of a small update would round away).
 * ``agentenv_stop``: the default plus the env's stop strings (what rollouts use): fewer
   tokens for the same turns, so compare its seconds per batch, not its tok/s.
 """
@@ -36,6 +39,7 @@ VARIANTS = (
     "agentenv_fp32",
     "agentenv_bf16_noshare",
     "agentenv",
+    "agentenv_lora",
     "agentenv_stop",
 )
 
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from agentenv import models
     from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
+    from algorithms.grpo import LORA_TARGETS
     from algorithms.lora import apply_lora
 
     args = parse_args(argv)
@@ -143,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     default = TransformersPolicy(model, tokenizer)
     if "agentenv" in chosen:
         runs["agentenv"] = policy_run(default, sampling)
+    if "agentenv_lora" in chosen:
+        base = copy.deepcopy(model).to(auto)
+        lora = apply_lora(base, 16, 32, 0.0, LORA_TARGETS, args.seed)
+        with torch.no_grad():  # an adapter that has been trained a little
+            for name, p in lora.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 1e-3)
+        runs["agentenv_lora"] = policy_run(TransformersPolicy(lora, tokenizer), sampling)
     if "agentenv_stop" in chosen:
         runs["agentenv_stop"] = policy_run(default, with_stops)
 
