@@ -53,9 +53,9 @@ def _load_policy(args: argparse.Namespace):  # noqa: ANN202
         args.model, dtype=resolve_dtype(args.dtype, device), device=device
     )
     if getattr(args, "adapter", None):
-        model = load_from_checkpoint(model, args.adapter)
-        if hasattr(model, "merge_and_unload"):  # a LoRA adapter: fold it in, generate faster
-            model = model.merge_and_unload()
+        # A LoRA adapter stays unmerged: folded into bf16 weights most of a small update
+        # rounds away (the sampler computes it separately, see agentenv.generation).
+        model = load_from_checkpoint(model, args.adapter).requires_grad_(False)
         model.eval()
     return model, tokenizer
 
