@@ -1,6 +1,6 @@
 """The ``agentenv`` command line.
 
-agentenv list                              registered environments
+agentenv list [--import MODULE]            registered environments (bundled and your own)
 agentenv demo [ENV_ID]                     play one episode with a model, print it
 agentenv sft ENV_ID                        supervised warm start on demonstrations
 agentenv train ENV_ID                      GRPO training run
@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from agentenv.errors import AgentEnvError, InvalidOptionError
 
@@ -82,99 +83,70 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
+    from agentenv import config as config_lib
     from agentenv.warmstart import SFTRunConfig, sft
 
-    sft(
-        SFTRunConfig(
-            env_id=args.env_id,
-            env_kwargs=args.env_kwargs,
-            model=args.model,
-            num_demos=args.num_demos,
-            output_dir=args.output_dir,
-            device=args.device,
-            dtype=args.dtype,
-            seed=args.seed,
-            sft={"epochs": args.epochs, **args.sft},
-        )
-    )
+    overrides = config_lib.flag_overrides(args, args.config_flags)
+    if args.env_id:
+        overrides["env_id"] = args.env_id
+    sft(config_lib.resolve(SFTRunConfig, args.config, overrides))
     return 0
 
 
 def _train_config(args: argparse.Namespace):  # noqa: ANN202
+    """Defaults, then ``--config FILE`` (or a resumed run's config.json), then flags."""
+    from agentenv import config as config_lib
     from agentenv.train import TrainConfig
 
-    flags = {
-        "env_id": args.env_id,
-        "model": args.model,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "group_size": args.group_size,
-        "max_turns": args.max_turns,
-        "output_dir": args.output_dir,
-        "device": args.device,
-        "dtype": args.dtype,
-        "seed": args.seed,
-        "init_from": args.init_from,
-        "eval_tasks": args.eval_tasks,
-        "env_kwargs": args.env_kwargs or None,
-        "grpo": args.grpo or None,
-        "wandb_project": args.wandb,
-    }
-    flags = {k: v for k, v in flags.items() if v is not None}
-    if args.config:
-        return TrainConfig.from_file(args.config, **flags)
-    if args.resume and args.output_dir:
-        from pathlib import Path
-
-        saved = json.loads((Path(args.output_dir) / "config.json").read_text())
-        return TrainConfig(**{**saved, **flags})
-    return TrainConfig(**flags)
+    overrides = config_lib.flag_overrides(args, args.config_flags)
+    if args.env_id:
+        overrides["env_id"] = args.env_id
+    file = args.config
+    if args.resume and not file:
+        if not overrides.get("output_dir"):
+            raise InvalidOptionError("--resume needs --output-dir RUN_DIR (the run to continue)")
+        file = Path(overrides["output_dir"]) / "config.json"
+        if not file.is_file():
+            raise InvalidOptionError(f"--resume needs an existing run: {file} does not exist")
+    return TrainConfig.resolve(file, overrides)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from agentenv.train import train
 
-    if args.resume and not args.output_dir:
-        raise InvalidOptionError("--resume needs --output-dir RUN_DIR (the run to continue)")
     train(config=_train_config(args), resume=args.resume)
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from agentenv.evaluate import EvalConfig, EvalReport, evaluate, format_table
+    from agentenv import config as config_lib
+    from agentenv.evaluate import EvalReport, EvalRunConfig, evaluate, format_table
 
     if args.compare:
         print(format_table([EvalReport.load(p) for p in args.compare]))
         return 0
-    if not args.env_id:
-        raise InvalidOptionError("eval needs ENV_ID (or --compare A.json B.json)")
+    overrides = config_lib.flag_overrides(args, args.config_flags)
+    if args.env_id:
+        overrides["env_id"] = args.env_id
+    run = config_lib.resolve(EvalRunConfig, args.config, overrides)
     from agentenv.episode import ChatFormat
     from agentenv.generation import TransformersPolicy
     from agentenv.registration import make
 
-    num_tasks = None if args.num_tasks == "all" else int(args.num_tasks)
-    config = EvalConfig(
-        split=args.split,
-        num_tasks=num_tasks,
-        samples=args.samples,
-        temperature=args.temperature,
-        max_turns=args.max_turns,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-    )
-    model, tokenizer = _load_policy(args)
-    label = args.label or (f"{args.model}+{args.adapter}" if args.adapter else args.model)
+    make(run.env_id, split=run.eval.split, **run.env_kwargs).close()  # before the model loads
+    model, tokenizer = _load_policy(run)
+    label = run.label or (f"{run.model}+{run.adapter}" if run.adapter else run.model)
     report = evaluate(
-        lambda: make(args.env_id, split=args.split, **args.env_kwargs),
-        TransformersPolicy(model, tokenizer, dtype=args.dtype),
+        lambda: make(run.env_id, split=run.eval.split, **run.env_kwargs),
+        TransformersPolicy(model, tokenizer, dtype=run.dtype),
         ChatFormat(tokenizer),
-        config,
+        run.eval,
         label=label,
     )
     print(format_table([report]))
-    if args.output:
-        report.save(args.output)
-        print(f"written: {args.output}")
+    if run.output:
+        report.save(run.output)
+        print(f"written: {run.output}")
     return 0
 
 
@@ -218,11 +190,13 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
             init_from=str(ckpt),
             steps=args.steps,
             batch_size=4,
-            group_size=8,
-            max_turns=2,
-            max_new_tokens=48,
-            max_episode_tokens=384,
-            temperature=0.7,  # at 1.0 a small warm-started model rarely answers right
+            rollout={
+                "group_size": 8,
+                "max_turns": 2,
+                "max_episode_tokens": 384,
+                # at 1.0 a small warm-started model rarely answers right
+                "sampling": {"max_new_tokens": 48, "temperature": 0.7},
+            },
             eval_tasks=args.eval_tasks,
             output_dir=f"{out}/grpo",
             device=args.device,
@@ -284,15 +258,31 @@ def _dtype_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None
     )
 
 
+def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand; every one takes ``--import MODULE`` (run before the command)."""
+    p = sub.add_parser(name, **kwargs)
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="import MODULE (a module name or a .py path) first, so its register() calls run; "
+        "an env id 'MODULE:Name-v0' does the same",
+    )
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``agentenv`` command."""
     parser = argparse.ArgumentParser(
         prog="agentenv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list registered environments").set_defaults(fn=_cmd_list)
+    from agentenv import config as config_lib
 
-    p = sub.add_parser("demo", help="play one episode with a model and print the transcript")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _command(sub, "list", help="list registered environments").set_defaults(fn=_cmd_list)
+
+    p = _command(sub, "demo", help="play one episode with a model and print the transcript")
     p.add_argument("env_id", nargs="?", default="Calculator-v0")
     _env_args(p, positional=False)
     p.add_argument("--adapter", default=None, help="checkpoint folder to apply")
@@ -300,59 +290,63 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.set_defaults(fn=_cmd_demo)
 
-    p = sub.add_parser("sft", help="supervised warm start on the env's demonstrations")
-    _env_args(p)
-    p.add_argument("--num-demos", type=int, default=256)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--sft", type=_json_arg, default={}, help="SFTConfig overrides as JSON")
-    p.add_argument("--output-dir", default=None)
-    p.set_defaults(fn=_cmd_sft)
-
-    p = sub.add_parser("train", help="train with GRPO")
+    p = _command(
+        sub,
+        "sft",
+        help="supervised warm start on the env's demonstrations",
+        description="Supervised warm start. Settings: defaults, then --config FILE, then "
+        "flags; the effective config is saved as RUN_DIR/config.json.",
+    )
     p.add_argument("env_id", nargs="?", default=None, help="default: --config's, or Calculator-v0")
-    _env_args(p, positional=False)
-    p.set_defaults(model=None, seed=None, dtype=None)
-    for flag, kind in (
-        ("--steps", int),
-        ("--batch-size", int),
-        ("--group-size", int),
-        ("--max-turns", int),
-        ("--eval-tasks", int),
-    ):
-        p.add_argument(flag, type=kind, default=None)
-    p.add_argument("--config", default=None, help="YAML or JSON file of TrainConfig fields")
-    p.add_argument("--output-dir", default=None)
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    p.add_argument("--init-from", default=None, help="checkpoint to start from (e.g. SFT)")
-    p.add_argument("--grpo", type=_json_arg, default={}, help="GRPOConfig overrides as JSON")
-    p.add_argument("--wandb", default=None, metavar="PROJECT", help="log to W&B")
-    p.set_defaults(fn=_cmd_train)
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="YAML or JSON, nested like config.json"
+    )
+    from agentenv.warmstart import SFTRunConfig
 
-    p = sub.add_parser("eval", help="evaluate a model on a split")
-    p.add_argument("env_id", nargs="?")
-    _env_args(p, positional=False)
-    p.add_argument("--adapter", default=None, help="checkpoint folder (adapter/ or model/)")
-    p.add_argument("--split", default="test", choices=["train", "test"])
-    p.add_argument("--num-tasks", default="200", help="N or 'all'")
-    p.add_argument("--samples", type=int, default=1, help="K samples per task (pass@k)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-turns", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--label", default=None)
-    p.add_argument("--output", default=None, help="write the report as JSON")
+    p.set_defaults(fn=_cmd_sft, config_flags=config_lib.add_flags(p, SFTRunConfig()))
+
+    p = _command(
+        sub,
+        "train",
+        help="train with GRPO",
+        description="Train with GRPO. Settings: defaults, then --config FILE, then flags; "
+        "the effective config is saved as RUN_DIR/config.json.",
+    )
+    p.add_argument("env_id", nargs="?", default=None, help="default: --config's, or Calculator-v0")
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="YAML or JSON, nested like config.json"
+    )
+    p.add_argument("--resume", action="store_true", help="continue RUN_DIR (--output-dir)")
+    from agentenv.train import TrainConfig
+
+    p.set_defaults(fn=_cmd_train, config_flags=config_lib.add_flags(p, TrainConfig()))
+
+    p = _command(
+        sub,
+        "eval",
+        help="evaluate a model on a split",
+        description="Evaluate a model (and adapter) on an env's split: accuracy, pass@k, "
+        "tool use. Settings: defaults, then --config FILE, then flags.",
+    )
+    p.add_argument("env_id", nargs="?", default=None, help="default: --config's, or Calculator-v0")
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="YAML or JSON, nested like the report"
+    )
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None)
-    p.set_defaults(fn=_cmd_eval)
+    from agentenv.evaluate import EvalRunConfig
 
-    p = sub.add_parser("plot", help="redraw RUN_DIR/plots/*.png")
+    p.set_defaults(fn=_cmd_eval, config_flags=config_lib.add_flags(p, EvalRunConfig()))
+
+    p = _command(sub, "plot", help="redraw RUN_DIR/plots/*.png")
     p.add_argument("run_dir")
     p.set_defaults(fn=_cmd_plot)
 
-    p = sub.add_parser("show", help="write an HTML page of sampled episodes")
+    p = _command(sub, "show", help="write an HTML page of sampled episodes")
     p.add_argument("run_dir")
     p.add_argument("--step", type=int, default=None)
     p.set_defaults(fn=_cmd_show)
 
-    p = sub.add_parser("quickstart", help="SFT -> GRPO -> eval on the default, in minutes")
+    p = _command(sub, "quickstart", help="SFT -> GRPO -> eval on the default, in minutes")
     p.add_argument("--demos", type=int, default=96)
     p.add_argument("--steps", type=int, default=12, help="GRPO steps of 4 tasks x 8 samples")
     p.add_argument("--eval-tasks", type=int, default=50, help="held-out tasks, before and after")
@@ -369,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        from agentenv.registration import import_module
+
+        for module in getattr(args, "imports", None) or []:
+            import_module(module)
         return args.fn(args)
     except AgentEnvError as exc:
         print(f"agentenv: error: {exc}", file=sys.stderr)

@@ -45,7 +45,7 @@ class Task:
 class TextEnv(gym.Env[list[Message], str]):
     """A multi-turn text environment.
 
-    Contract (see DESIGN.md §1):
+    Contract (see docs/design.md §1):
 
     * ``reset(seed=None, options=None) -> (observation, info)``: ``observation`` is
       the list of opening messages (system prompt with tool descriptions, then

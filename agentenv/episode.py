@@ -2,9 +2,10 @@
 
 An :class:`Episode` holds one trajectory as the policy saw it: ``input_ids`` (the
 prompt, every policy turn, every environment turn), ``action_mask`` (1 exactly on
-the tokens the policy sampled) and the sampler's ``logprobs`` of those tokens.
+the tokens the policy sampled) and the ``sampler_logprobs`` of those tokens (the one name
+of the sampler's log-probs from generation to the loss).
 
-Rules (DESIGN.md §3):
+Rules (docs/design.md §3):
 
 * Policy tokens are appended exactly as sampled, never decoded and re-tokenized.
 * Environment messages are appended as the chat-template *delta*: the template is
@@ -124,7 +125,8 @@ class Episode:
     Attributes:
         input_ids: Every token of the episode, in order.
         action_mask: 1 on tokens the policy sampled, 0 on prompt/environment/template tokens.
-        logprobs: The sampler's log-prob of each policy token; 0.0 where the mask is 0.
+        sampler_logprobs: The sampler's log-prob of each policy token; 0.0 where the mask
+            is 0.
         reward: The episode's scalar reward (a bandit: shared by all policy tokens).
         num_turns: Policy turns taken.
         stop_reason: ``"terminated"``, ``"truncated"``, ``"max_turns"`` or ``"max_tokens"``.
@@ -136,7 +138,7 @@ class Episode:
 
     input_ids: list[int]
     action_mask: list[int]
-    logprobs: list[float]
+    sampler_logprobs: list[float]
     reward: float = 0.0
     num_turns: int = 0
     stop_reason: str = ""
@@ -147,10 +149,10 @@ class Episode:
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
-        if len(self.action_mask) != n or len(self.logprobs) != n:
+        if len(self.action_mask) != n or len(self.sampler_logprobs) != n:
             raise ValueError(
-                f"input_ids, action_mask and logprobs must have equal lengths, got "
-                f"{n}, {len(self.action_mask)}, {len(self.logprobs)}"
+                f"input_ids, action_mask and sampler_logprobs must have equal lengths, got "
+                f"{n}, {len(self.action_mask)}, {len(self.sampler_logprobs)}"
             )
 
     @property
@@ -188,7 +190,7 @@ class EpisodeBuilder:
         self.messages: list[Message] = list(messages)
         self.input_ids = fmt.prompt_ids(messages)
         self.action_mask = [0] * len(self.input_ids)
-        self.logprobs = [0.0] * len(self.input_ids)
+        self.sampler_logprobs = [0.0] * len(self.input_ids)
         self._last_policy: list[int] = []
         self.num_turns = 0
 
@@ -197,13 +199,15 @@ class EpisodeBuilder:
         """Tokens left in the budget."""
         return self.max_tokens - len(self.input_ids)
 
-    def add_policy(self, token_ids: Sequence[int], logprobs: Sequence[float], text: str) -> None:
+    def add_policy(
+        self, token_ids: Sequence[int], sampler_logprobs: Sequence[float], text: str
+    ) -> None:
         """Append a policy turn exactly as sampled (``text`` is for display only)."""
-        if len(token_ids) != len(logprobs):
-            raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} logprobs")
+        if len(token_ids) != len(sampler_logprobs):
+            raise ValueError(f"{len(token_ids)} tokens but {len(sampler_logprobs)} log-probs")
         self.input_ids += list(token_ids)
         self.action_mask += [1] * len(token_ids)
-        self.logprobs += [float(x) for x in logprobs]
+        self.sampler_logprobs += [float(x) for x in sampler_logprobs]
         self._last_policy = list(token_ids)
         self.messages.append({"role": "assistant", "content": text})
         self.num_turns += 1
@@ -222,7 +226,7 @@ class EpisodeBuilder:
             if excess <= 0:
                 self.input_ids += ids
                 self.action_mask += [0] * len(ids)
-                self.logprobs += [0.0] * len(ids)
+                self.sampler_logprobs += [0.0] * len(ids)
                 self.messages.extend(new)
                 return True
             total = sum(len(m["content"]) for m in new)
@@ -239,7 +243,7 @@ class EpisodeBuilder:
         return Episode(
             list(self.input_ids),
             list(self.action_mask),
-            list(self.logprobs),
+            list(self.sampler_logprobs),
             num_turns=self.num_turns,
             messages=list(self.messages),
             **kwargs,
@@ -253,13 +257,13 @@ def collate(
 
     Args:
         episodes: :class:`Episode` objects (anything with ``input_ids``, ``action_mask``,
-            ``logprobs`` and ``reward``).
+            ``sampler_logprobs`` and ``reward``).
         advantages: One advantage per episode (computed by the algorithm).
         pad_token_id: Id used for padding.
 
     Returns:
         ``input_ids`` (N, T) long, ``attention_mask`` (N, T) long, ``action_mask`` (N, T)
-        float, ``old_logprobs`` (N, T) float (sampler log-probs, 0 off-policy tokens),
+        float, ``sampler_logprobs`` (N, T) float (sampler log-probs, 0 off-policy tokens),
         ``advantages`` (N,) float, ``rewards`` (N,) float.
     """
     if len(episodes) != len(advantages):
@@ -268,18 +272,18 @@ def collate(
     input_ids = torch.full((n, t), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, t), dtype=torch.long)
     action_mask = torch.zeros((n, t), dtype=torch.float32)
-    old_logprobs = torch.zeros((n, t), dtype=torch.float32)
+    sampler_logprobs = torch.zeros((n, t), dtype=torch.float32)
     for i, e in enumerate(episodes):
         k = len(e.input_ids)
         input_ids[i, :k] = torch.tensor(e.input_ids)
         attention_mask[i, :k] = 1
         action_mask[i, :k] = torch.tensor(e.action_mask, dtype=torch.float32)
-        old_logprobs[i, :k] = torch.tensor(e.logprobs)
+        sampler_logprobs[i, :k] = torch.tensor(e.sampler_logprobs)
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "action_mask": action_mask,
-        "old_logprobs": old_logprobs,
+        "sampler_logprobs": sampler_logprobs,
         "advantages": torch.tensor(list(advantages), dtype=torch.float32),
         "rewards": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
     }

@@ -17,6 +17,8 @@ from typing import Any
 import gymnasium as gym
 from tqdm.auto import tqdm
 
+from agentenv import config as config_lib
+from agentenv.config import option
 from agentenv.episode import ChatFormat, Episode
 from agentenv.errors import InvalidOptionError
 from agentenv.generation import PolicyBackend, SamplingConfig
@@ -25,40 +27,53 @@ from agentenv.rollout import RolloutConfig, collect
 
 @dataclass
 class EvalConfig:
-    """What to evaluate.
+    """What to evaluate."""
 
-    Attributes:
-        split: ``"test"`` or ``"train"``.
-        num_tasks: The first ``num_tasks`` tasks of the split (``None`` = all).
-        samples: Episodes per task (K); pass@k is reported for k = 1, 2, 4, ... <= K.
-        temperature: Sampling temperature; 0 = greedy (the default for K = 1).
-        max_turns: Policy turns per episode.
-        max_new_tokens: Tokens per policy turn.
-        max_episode_tokens: Token budget per episode.
-        tasks_per_batch: Tasks whose episodes are generated together.
-        seed: Base reset seed (task ``i`` uses ``seed + i``).
-    """
-
-    split: str = "test"
-    num_tasks: int | None = 200
-    samples: int = 1
-    temperature: float = 0.0
-    max_turns: int = 5
-    max_new_tokens: int = 128
-    max_episode_tokens: int = 2048
-    tasks_per_batch: int = 16
-    seed: int = 0
+    split: str = option("test", "Split to evaluate: test or train.")
+    num_tasks: int | None = option(200, "The split's first N tasks (none: all of them).")
+    samples: int = option(1, "Episodes per task (K); pass@k is reported for k = 1, 2, 4 .. K.")
+    temperature: float = option(0.0, "Sampling temperature; 0 = greedy (the default for K=1).")
+    max_turns: int = option(5, "Policy turns per episode.")
+    max_new_tokens: int = option(128, "Tokens per policy turn.")
+    max_episode_tokens: int = option(2048, "Token budget per episode.")
+    tasks_per_batch: int = option(16, "Tasks whose episodes are generated together.")
+    seed: int = option(0, "Base reset seed (task i uses seed + i).")
 
     def __post_init__(self) -> None:
         if self.samples < 1:
             raise InvalidOptionError(f"samples must be >= 1, got {self.samples}")
         if self.num_tasks is not None and self.num_tasks < 1:
             raise InvalidOptionError(f"num_tasks must be >= 1 or None, got {self.num_tasks}")
+        if self.split not in ("train", "test"):
+            raise InvalidOptionError(f"split must be 'train' or 'test', got {self.split!r}")
         if self.samples > 1 and self.temperature == 0:
             raise InvalidOptionError(
                 "samples > 1 with temperature 0 gives K identical greedy episodes; "
                 "set temperature > 0 (e.g. 1.0)"
             )
+
+
+@dataclass
+class EvalRunConfig:
+    """Settings of an ``agentenv eval`` run; ``eval`` is the evaluation's section."""
+
+    env_id: str = option("Calculator-v0", "Registered environment id (or module:Env-v0).")
+    env_kwargs: dict[str, Any] = option({}, "Env constructor arguments.")
+    model: str = option("smollm2-135m-instruct", "Model: alias, HF id or local path.")
+    adapter: str | None = option(None, "Checkpoint folder to apply (adapter/ or model/).")
+    device: str | None = option(None, "cpu or cuda (default: cuda if available).")
+    dtype: str = option("auto", "Compute dtype (auto: bf16 where supported).")
+    label: str | None = option(None, "Name of the model in the report (default: model+adapter).")
+    output: str | None = option(None, "Write the report as JSON to this path.")
+    eval: EvalConfig = option(
+        EvalConfig(max_turns=3, max_new_tokens=96), "What to evaluate (section)."
+    )
+
+    def __post_init__(self) -> None:
+        config_lib.coerce_sections(self)
+        from agentenv.generation import resolve_dtype
+
+        resolve_dtype(self.dtype, self.device or "cpu")  # a bad dtype fails before loading
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

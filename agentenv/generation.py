@@ -36,13 +36,14 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
+from agentenv.config import option
 from agentenv.errors import InvalidOptionError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -50,23 +51,18 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class SamplingConfig:
-    """How each policy turn is sampled.
+    """How each policy turn is sampled. A training run's trainer reads ``temperature`` from
+    this same object (its log-probs divide logits by it, as the sampler did)."""
 
-    Attributes:
-        max_new_tokens: Most tokens per policy turn.
-        temperature: Sampling temperature; 0 means greedy decoding.
-        top_p: Nucleus sampling threshold (1.0 = off).
-        top_k: Keep the k most likely tokens (0 = off).
-        stop_strings: A turn ends once its text contains one of these (the token that
-            completes it is kept). ``None``: the env's own (``env.stop_strings``, e.g.
-            ``</tool_call>`` and ``</answer>``); ``[]``: stop tokens only.
-    """
-
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_strings: list[str] | None = field(default=None)
+    max_new_tokens: int = option(256, "Most tokens per policy turn.")
+    temperature: float = option(1.0, "Sampling temperature; 0 means greedy decoding.")
+    top_p: float = option(1.0, "Nucleus sampling threshold (1.0 = off).")
+    top_k: int = option(0, "Keep the k most likely tokens (0 = off).")
+    stop_strings: list[str] | None = option(
+        None,
+        "A turn ends once its text holds one of these (the token completing it is kept). "
+        "None: the env's own (e.g. </tool_call>, </answer>); empty: stop tokens only.",
+    )
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -90,7 +86,7 @@ class Generation:
     """One sampled policy turn: token ids exactly as sampled and their log-probs."""
 
     token_ids: list[int]
-    logprobs: list[float]
+    sampler_logprobs: list[float]
     text: str
     finish_reason: str  # "stop" (stop token), "stop_string" or "length"
 

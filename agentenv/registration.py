@@ -87,8 +87,54 @@ def registry() -> dict[str, EnvSpec]:
     return {k: gym.registry[k] for k in sorted(gym.registry) if k.startswith(prefix)}
 
 
+def import_module(name: str) -> None:
+    """Import a module for its side effects (its ``register`` calls): a dotted module name,
+    found from the working directory too (as ``python -m`` would), or a ``.py`` file path.
+
+    Raises:
+        UnknownEnvError: if it cannot be imported, naming it and the error.
+    """
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    try:
+        if name.endswith(".py"):
+            path = os.path.abspath(name)
+            module_name = os.path.splitext(os.path.basename(path))[0]
+            if (
+                module_name in sys.modules
+                and getattr(sys.modules[module_name], "__file__", None) == path
+            ):
+                return
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            if loader_spec is None or loader_spec.loader is None or not os.path.isfile(path):
+                raise FileNotFoundError(f"no such file: {path}")
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.append(os.getcwd())
+            importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported the same way
+        raise UnknownEnvError(
+            f"could not import {name!r} to register its environments: "
+            f"{type(exc).__name__}: {exc}. Pass a module importable from here "
+            "(e.g. my_envs or my_pkg.envs) or a path to a .py file"
+        ) from exc
+
+
 def spec(id: str) -> EnvSpec:  # noqa: A002
-    """The spec of a registered id; raises :class:`UnknownEnvError` with close matches."""
+    """The spec of a registered id; raises :class:`UnknownEnvError` with close matches.
+
+    ``"module:Name-v0"`` (gymnasium's convention) imports ``module`` first, so that its
+    ``register`` call runs; ``module`` may also be a path to a ``.py`` file.
+    """
+    if ":" in id:
+        module, _, id = id.rpartition(":")  # noqa: A001
+        import_module(module)
     env_id = full_id(id)
     if env_id not in gym.registry:
         known = list(registry())

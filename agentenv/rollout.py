@@ -24,6 +24,7 @@ from typing import Any
 import gymnasium as gym
 from tqdm.auto import tqdm
 
+from agentenv.config import option
 from agentenv.episode import ChatFormat, Episode, EpisodeBuilder
 from agentenv.errors import InvalidOptionError
 from agentenv.generation import Generation, PolicyBackend, SamplingConfig
@@ -31,23 +32,14 @@ from agentenv.generation import Generation, PolicyBackend, SamplingConfig
 
 @dataclass
 class RolloutConfig:
-    """How episodes are collected.
+    """How episodes are collected."""
 
-    Attributes:
-        group_size: Episodes per task (G); all reset with the task's seed.
-        max_turns: Policy turns per episode (the env's own limit may be lower).
-        max_episode_tokens: Token budget per episode (prompt + all turns).
-        sampling: Per-turn sampling settings.
-        env_workers: Threads stepping environments concurrently.
-        show_progress: Show a progress bar over the batch.
-    """
-
-    group_size: int = 8
-    max_turns: int = 5
-    max_episode_tokens: int = 2048
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    env_workers: int = 8
-    show_progress: bool = True
+    group_size: int = option(8, "Episodes per task (G); all reset with the task's seed.")
+    max_turns: int = option(5, "Policy turns per episode (the env's own limit may be lower).")
+    max_episode_tokens: int = option(2048, "Token budget per episode (prompt + all turns).")
+    sampling: SamplingConfig = option(SamplingConfig(), "Per-turn sampling settings (section).")
+    env_workers: int = option(8, "Threads stepping environments concurrently.")
+    show_progress: bool = option(True, "Show a progress bar over the batch.")
 
     def __post_init__(self) -> None:
         for name in ("group_size", "max_turns", "max_episode_tokens", "env_workers"):
@@ -123,7 +115,7 @@ def collect(
             gens = policy.generate([t.builder.input_ids for t in active], turn_sampling)
             t1 = time.perf_counter()
             for t, g in zip(active, gens, strict=True):
-                t.builder.add_policy(g.token_ids, g.logprobs, g.text)
+                t.builder.add_policy(g.token_ids, g.sampler_logprobs, g.text)
             results = list(pool.map(lambda t, g: t.env.step(g.text), active, gens))
             env_s += time.perf_counter() - t1
             gen_s += t1 - t0

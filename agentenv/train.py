@@ -18,87 +18,96 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from agentenv import config as config_lib
+from agentenv.config import option
 from agentenv.errors import InvalidOptionError
+from agentenv.generation import SamplingConfig, resolve_dtype
+from agentenv.rollout import RolloutConfig
+from algorithms.grpo import GRPOConfig
 
 
-def _f(default: Any, help: str) -> Any:
-    if isinstance(default, dict | list):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+def _training_rollout() -> RolloutConfig:
+    return RolloutConfig(
+        group_size=8,
+        max_turns=3,
+        max_episode_tokens=1024,
+        sampling=SamplingConfig(max_new_tokens=64),
+        show_progress=False,
+    )
 
 
 @dataclass
 class TrainConfig:
-    """Everything a training run needs; ``config.json`` in the run directory is this."""
+    """Everything a training run needs; ``config.json`` in the run directory is this.
 
-    env_id: str = _f("Calculator-v0", "Registered environment id.")
-    env_kwargs: dict[str, Any] = _f({}, "Constructor arguments of the env (both splits).")
-    model: str = _f("smollm2-135m-instruct", "Model alias, Hugging Face id or local path.")
-    init_from: str | None = _f(None, "Checkpoint folder (e.g. from `agentenv sft`) to start from.")
-    steps: int = _f(20, "GRPO steps (one batch of B x G episodes each).")
-    batch_size: int = _f(4, "Tasks per step (B).")
-    group_size: int = _f(8, "Episodes per task (G).")
-    max_turns: int = _f(3, "Policy turns per episode.")
-    max_new_tokens: int = _f(64, "Tokens per policy turn.")
-    max_episode_tokens: int = _f(1024, "Token budget per episode.")
-    temperature: float = _f(1.0, "Sampling temperature of training rollouts.")
-    eval_every: int = _f(0, "Evaluate every N steps (0: only before and after training).")
-    eval_tasks: int = _f(50, "Test-split tasks per evaluation (0: no evaluation).")
-    save_every: int = _f(10, "Checkpoint every N steps (and always at the end).")
-    keep_checkpoints: int = _f(2, "Most recent checkpoints kept.")
-    log_episodes: int = _f(8, "Episodes written to episodes/step_N.jsonl per step.")
-    output_dir: str | None = _f(None, "Run directory (default runs/<env>-<time>).")
-    device: str | None = _f(None, "cpu or cuda (default: cuda if available, else cpu).")
-    dtype: str = _f(
+    Sections own their values: ``rollout`` (G, turns, token budget and its ``sampling``:
+    temperature, top-p/k, tokens per turn) is read by the sampler *and* the trainer, and
+    ``grpo`` holds the algorithm's hyper-parameters. A section may be given as a dict of
+    its fields (``grpo={"beta": 0.04}``); unknown keys are errors.
+    """
+
+    env_id: str = option("Calculator-v0", "Registered environment id (or module:Env-v0).")
+    env_kwargs: dict[str, Any] = option({}, "Constructor arguments of the env (both splits).")
+    model: str = option("smollm2-135m-instruct", "Model alias, Hugging Face id or local path.")
+    init_from: str | None = option(
+        None, "Checkpoint folder (e.g. from `agentenv sft`) to start from."
+    )
+    steps: int = option(20, "GRPO steps (one batch of B x G episodes each).")
+    batch_size: int = option(4, "Tasks per step (B).")
+    eval_every: int = option(0, "Evaluate every N steps (0: only before and after training).")
+    eval_tasks: int = option(50, "Test-split tasks per evaluation (0: no evaluation).")
+    save_every: int = option(10, "Checkpoint every N steps (and always at the end).")
+    keep_checkpoints: int = option(2, "Most recent checkpoints kept.")
+    log_episodes: int = option(8, "Episodes written to episodes/step_N.jsonl per step.")
+    output_dir: str | None = option(None, "Run directory (default runs/<env>-<time>).")
+    device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
+    dtype: str = option(
         "auto",
         "Compute dtype of sampling and training: auto (bfloat16 on GPUs and on CPUs with "
         "native bf16, else float32), float32, bfloat16, float16 (GPU only). Trained weights "
         "stay float32; a LoRA run keeps its frozen base in this dtype.",
     )
-    seed: int = _f(0, "Seed of task sampling, generation and LoRA init.")
-    tensorboard: bool = _f(True, "Write TensorBoard events.")
-    wandb_project: str | None = _f(None, "Log to this W&B project (needs `pip install wandb`).")
-    grpo: dict[str, Any] = _f({}, "GRPOConfig overrides, e.g. {'learning_rate': 1e-4}.")
+    seed: int = option(0, "Seed of task sampling, generation and LoRA init.")
+    tensorboard: bool = option(True, "Write TensorBoard events.")
+    wandb_project: str | None = option(None, "Log to this W&B project (needs `pip install wandb`).")
+    rollout: RolloutConfig = option(
+        _training_rollout(), "How episodes are collected and sampled (section)."
+    )
+    grpo: GRPOConfig = option(GRPOConfig(), "GRPO hyper-parameters (section).")
 
     def __post_init__(self) -> None:
-        for name in (
-            "steps",
-            "batch_size",
-            "group_size",
-            "max_turns",
-            "max_new_tokens",
-            "save_every",
-            "keep_checkpoints",
-        ):
+        config_lib.coerce_sections(self)
+        for name in ("steps", "batch_size", "save_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0 or self.eval_tasks < 0 or self.log_episodes < 0:
             raise InvalidOptionError("eval_every, eval_tasks and log_episodes must be >= 0")
+        if self.rollout.group_size < 2:
+            raise InvalidOptionError(
+                f"group_size must be >= 2 for group-relative advantages, got "
+                f"{self.rollout.group_size}"
+            )
+        if self.rollout.sampling.temperature <= 0:
+            raise InvalidOptionError(
+                f"temperature must be > 0 for training (GRPO learns from sampled episodes), "
+                f"got {self.rollout.sampling.temperature}"
+            )
+        resolve_dtype(self.dtype, self.device or "cpu")  # a bad dtype fails before loading
 
     @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
-        """Read a YAML or JSON file of :class:`TrainConfig` fields; ``overrides`` win."""
-        text = Path(path).read_text()
-        if str(path).endswith((".yaml", ".yml")):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise InvalidOptionError(
-                f"unknown config key(s) {unknown} in {path}; known: {sorted(known)}"
-            )
-        return cls(**{**data, **overrides})
+    def resolve(
+        cls, file: str | Path | None = None, overrides: dict[str, Any] | None = None
+    ) -> TrainConfig:
+        """Defaults, then ``file`` (YAML/JSON, nested like ``config.json``), then
+        ``overrides`` (a nested dict, e.g. from flags), deep-merged; strict keys."""
+        return config_lib.resolve(cls, file, overrides)
 
 
 def task_seeds(seed: int, step: int, n: int) -> list[int]:
@@ -151,45 +160,46 @@ def train(
     from agentenv import models
     from agentenv.episode import ChatFormat
     from agentenv.evaluate import EvalConfig, evaluate, format_table
-    from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
+    from agentenv.generation import TransformersPolicy
     from agentenv.plots import plot_run
     from agentenv.registration import make
-    from agentenv.rollout import RolloutConfig, collect
+    from agentenv.rollout import collect
     from agentenv.tracking import RunLogger
     from algorithms.checkpoint import latest_checkpoint
-    from algorithms.grpo import GRPO, GRPOConfig, compute_advantages
+    from algorithms.grpo import GRPO, compute_advantages
 
     config = config or TrainConfig()
     config = dataclasses.replace(
         config, env_id=env_id or config.env_id, model=model or config.model
     )
     run_dir = Path(
-        config.output_dir or f"runs/{config.env_id.split('/')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
+        config.output_dir
+        or f"runs/{config.env_id.split(':')[-1].split('/')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     if resume and not (run_dir / "config.json").exists():
         raise InvalidOptionError(f"--resume needs an existing run in {run_dir} (no config.json)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(run_dir / "config.json", dataclasses.asdict(config))
+    _write_json(run_dir / "config.json", config_lib.to_dict(config))  # the effective config
     make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
 
     torch.manual_seed(config.seed)
     device = config.device or models.default_device()
     compute = resolve_dtype(config.dtype, device)
-    grpo_cfg = GRPOConfig(
-        **{
-            "group_size": config.group_size,
-            "temperature": config.temperature,
-            "seed": config.seed,
-            "total_steps": config.steps,
-            **config.grpo,
-        }
-    )
+    grpo_cfg, rollout, sampling = config.grpo, config.rollout, config.rollout.sampling
     policy_model, tokenizer = models.load(
         config.model, dtype=training_dtype(compute, grpo_cfg.use_lora), device=device
     )
     if config.init_from:
         policy_model = load_from_checkpoint(policy_model, Path(config.init_from))
-    algo = GRPO(policy_model, tokenizer, grpo_cfg, dtype=compute)
+    algo = GRPO(
+        policy_model,
+        tokenizer,
+        grpo_cfg,
+        sampling=sampling,  # the sampler's settings object: one temperature for both
+        total_steps=config.steps,
+        seed=config.seed,
+        dtype=compute,
+    )
     start = 0
     ckpt_dir = run_dir / "checkpoints"
     if resume and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
@@ -200,23 +210,15 @@ def train(
         resume_step=start if resume else None,
         tensorboard=config.tensorboard,
         wandb_project=config.wandb_project,
-        config=dataclasses.asdict(config),
+        config=config_lib.to_dict(config),
     )
     fmt = ChatFormat(tokenizer)
     policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
-    sampling = SamplingConfig(config.max_new_tokens, temperature=config.temperature)
-    rollout = RolloutConfig(
-        config.group_size,
-        config.max_turns,
-        config.max_episode_tokens,
-        sampling,
-        show_progress=False,
-    )
     eval_cfg = EvalConfig(
         num_tasks=config.eval_tasks or None,
-        max_turns=config.max_turns,
-        max_new_tokens=config.max_new_tokens,
-        max_episode_tokens=config.max_episode_tokens,
+        max_turns=rollout.max_turns,
+        max_new_tokens=sampling.max_new_tokens,
+        max_episode_tokens=rollout.max_episode_tokens,
     )
 
     def train_env():  # noqa: ANN202

@@ -6,41 +6,40 @@ data (env.demonstration) -> episodes (same tokens/masks as RL) -> masked-NLL SFT
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentenv import config as config_lib
+from agentenv.config import option
 from agentenv.errors import InvalidOptionError
+from agentenv.generation import resolve_dtype
+from algorithms.sft import SFTConfig
 
 
 @dataclass
 class SFTRunConfig:
-    """Settings of an ``agentenv sft`` run."""
+    """Settings of an ``agentenv sft`` run; ``sft`` is the trainer's section (a dict of its
+    fields works too, e.g. ``sft={"epochs": 3}``)."""
 
-    env_id: str = field(default="Calculator-v0", metadata={"help": "Registered env id."})
-    env_kwargs: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "Env constructor arguments."}
-    )
-    model: str = field(default="smollm2-135m-instruct", metadata={"help": "Base model."})
-    num_demos: int = field(default=256, metadata={"help": "Train tasks demonstrated."})
-    output_dir: str | None = field(default=None, metadata={"help": "Run directory."})
-    device: str | None = field(default=None, metadata={"help": "cpu or cuda."})
-    dtype: str = field(
-        default="auto",
-        metadata={"help": "Compute dtype (auto: bf16 where supported); see TrainConfig.dtype."},
-    )
-    seed: int = field(default=0, metadata={"help": "Seed of task choice and training."})
-    max_episode_tokens: int = field(default=1024, metadata={"help": "Token cap per demo."})
-    sft: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "SFTConfig overrides, e.g. {'epochs': 3}."}
-    )
+    env_id: str = option("Calculator-v0", "Registered environment id (or module:Env-v0).")
+    env_kwargs: dict[str, Any] = option({}, "Env constructor arguments.")
+    model: str = option("smollm2-135m-instruct", "Base model: alias, HF id or local path.")
+    num_demos: int = option(256, "Train-split tasks demonstrated.")
+    output_dir: str | None = option(None, "Run directory (default runs/sft-<env>-<time>).")
+    device: str | None = option(None, "cpu or cuda (default: cuda if available).")
+    dtype: str = option("auto", "Compute dtype (auto: bf16 where supported); see `train`.")
+    seed: int = option(0, "Seed of task choice, LoRA init and episode shuffling.")
+    max_episode_tokens: int = option(1024, "Token cap per demonstration.")
+    sft: SFTConfig = option(SFTConfig(), "SFT hyper-parameters (section).")
 
     def __post_init__(self) -> None:
+        config_lib.coerce_sections(self)
         if self.num_demos < 1:
             raise InvalidOptionError(f"num_demos must be >= 1, got {self.num_demos}")
+        resolve_dtype(self.dtype, self.device or "cpu")  # a bad dtype fails before loading
 
 
 def sft(config: SFTRunConfig) -> Path:
@@ -50,21 +49,18 @@ def sft(config: SFTRunConfig) -> Path:
     from agentenv import models
     from agentenv.demos import demonstration_episodes
     from agentenv.episode import ChatFormat
-    from agentenv.generation import resolve_dtype
     from agentenv.registration import make
     from agentenv.train import training_dtype
-    from algorithms.sft import SFT, SFTConfig
+    from algorithms.sft import SFT
 
-    run_dir = Path(
-        config.output_dir
-        or f"runs/sft-{config.env_id.split('/')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    name = config.env_id.split(":")[-1].split("/")[-1]
+    run_dir = Path(config.output_dir or f"runs/sft-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    (run_dir / "config.json").write_text(json.dumps(config_lib.to_dict(config), indent=2))
     torch.manual_seed(config.seed)
     device = config.device or models.default_device()
     compute = resolve_dtype(config.dtype, device)
-    sft_config = SFTConfig(**{"seed": config.seed, **config.sft})
+    sft_config = config.sft
     model, tokenizer = models.load(
         config.model, dtype=training_dtype(compute, sft_config.use_lora), device=device
     )
@@ -76,7 +72,7 @@ def sft(config: SFTRunConfig) -> Path:
         seed=config.seed,
         max_episode_tokens=config.max_episode_tokens,
     )
-    trainer = SFT(model, tokenizer, sft_config, dtype=compute)
+    trainer = SFT(model, tokenizer, sft_config, seed=config.seed, dtype=compute)
     history = trainer.fit(episodes)
     with (run_dir / "metrics.jsonl").open("w") as f:
         f.writelines(json.dumps(row) + "\n" for row in history)

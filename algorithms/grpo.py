@@ -2,7 +2,7 @@
 
 One :meth:`GRPO.learn` call is one training step and reads as one pass::
 
-    rewards (B, G) -> compute_advantages -> collate + pack micro-batches
+    rewards (B, G) -> compute_advantages -> pack micro-batches (MicroBatch.from_episodes)
     -> per iteration: token_logprobs -> policy_loss -> backward (accumulate) -> clip -> step
     -> LR scheduler step -> metrics
 
@@ -41,7 +41,7 @@ import copy
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -51,7 +51,8 @@ from accelerate import Accelerator
 from peft import PeftModel
 from transformers import get_scheduler
 
-from agentenv.episode import collate as collate_episodes
+from agentenv.config import option
+from agentenv.episode import collate
 from agentenv.errors import InvalidOptionError
 from algorithms.logprobs import forward_logprobs, token_logprobs
 from algorithms.lora import apply_lora
@@ -77,67 +78,64 @@ def default_accelerator(model: torch.nn.Module) -> Accelerator:
     return Accelerator(cpu=param is not None and param.device.type == "cpu")
 
 
+class SamplingLike(Protocol):
+    """What :class:`GRPO` reads from the sampler's settings (``agentenv.SamplingConfig``)."""
+
+    temperature: float  # the learner divides logits by it, as the sampler did
+
+
 class EpisodeLike(Protocol):
     """What :meth:`GRPO.learn` reads from an episode (``agentenv.episode.Episode`` has it)."""
 
     input_ids: list[int]  # the whole episode: prompt, policy and environment tokens
     action_mask: list[int]  # 1 exactly on tokens the policy sampled
-    logprobs: list[float]  # the sampler's log-prob at mask-1 positions, 0.0 elsewhere
+    sampler_logprobs: list[float]  # the sampler's log-prob at mask-1 positions, 0.0 elsewhere
     reward: float
-
-
-def _field(default: Any, help_text: str) -> Any:
-    """A dataclass field with a TRL-style ``metadata={"help": ...}``."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help_text})
-    return field(default=default, metadata={"help": help_text})
 
 
 @dataclass
 class GRPOConfig:
     """Hyper-parameters of :class:`GRPO`; validated across fields on construction."""
 
-    group_size: int = _field(8, "Episodes per task (G); needs >= 2.")
-    learning_rate: float | None = _field(
+    learning_rate: float | None = option(
         None, "Peak AdamW LR. None: 5e-5 with LoRA (adapters want a larger LR), 1e-5 full FT."
     )
-    beta: float = _field(0.0, "k3 KL coefficient to the reference; 0: no reference at all.")
-    epsilon_low: float = _field(0.2, "Ratio clip below, 1 - epsilon_low (gspo: 3e-4).")
-    epsilon_high: float = _field(
+    beta: float = option(0.0, "k3 KL coefficient to the reference; 0: no reference at all.")
+    epsilon_low: float = option(0.2, "Ratio clip below, 1 - epsilon_low (gspo: 3e-4).")
+    epsilon_high: float = option(
         0.2, "Ratio clip above, 1 + epsilon_high. DAPO clip-higher: 0.28; gspo: 4e-4."
     )
-    loss_type: str = _field(
+    loss_type: str = option(
         "dapo",
         "grpo | dr_grpo | dapo | gspo. dapo (TRL's default) normalises per token: every policy "
         "token weighs the same, so long multi-turn episodes are not down-weighted.",
     )
-    advantage_norm: str = _field(
+    advantage_norm: str = option(
         "mean_std", "mean_std: (r - mean) / (std + eps); mean_only: r - mean (Dr. GRPO's)."
     )
-    num_iterations: int = _field(1, "Optimizer steps per batch (mu); > 1 reuses it, clipped.")
-    micro_batch_tokens: int = _field(
+    num_iterations: int = option(1, "Optimizer steps per batch (mu); > 1 reuses it, clipped.")
+    micro_batch_tokens: int = option(
         768,
         "Tokens per forward/backward: sequences x padded length, a group's shared prompt "
         "counted once. On a CPU 768-1024 is as fast as any and keeps a step near 3 GB "
         "(larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
     )
-    max_grad_norm: float = _field(1.0, "Global gradient-norm clip.")
-    weight_decay: float = _field(0.0, "AdamW weight decay.")
-    warmup_steps: int = _field(0, "Linear LR warmup, in learn() calls.")
-    lr_scheduler: str = _field("constant", "constant | linear | cosine (to 0 at total_steps).")
-    total_steps: int | None = _field(None, "learn() calls in the run; linear/cosine need it.")
-    use_lora: bool = _field(True, "Train LoRA adapters (peft); False: full fine-tuning.")
-    lora_r: int = _field(16, "LoRA rank.")
-    lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = _field(0.0, "Dropout on the LoRA input.")
-    lora_target_modules: list[str] = _field(LORA_TARGETS, "Module names that get adapters.")
-    lora_layers: int | None = _field(
+    max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    warmup_steps: int = option(0, "Linear LR warmup, in learn() calls.")
+    lr_scheduler: str = option(
+        "constant", "constant | linear | cosine (to 0 at the trainer's total_steps)."
+    )
+    use_lora: bool = option(True, "Train LoRA adapters (peft); False: full fine-tuning.")
+    lora_r: int = option(16, "LoRA rank.")
+    lora_alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = option(LORA_TARGETS, "Module names that get adapters.")
+    lora_layers: int | None = option(
         None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
     )
-    gradient_checkpointing: bool = _field(False, "Recompute activations: less memory, slower.")
-    temperature: float = _field(1.0, "Sampler temperature; logits are divided by it.")
-    seed: int = _field(0, "Seed of the LoRA initialisation.")
-    max_completion_length: int | None = _field(
+    gradient_checkpointing: bool = option(False, "Recompute activations: less memory, slower.")
+    max_completion_length: int | None = option(
         None, "dr_grpo's per-sequence denominator; None: the batch's max policy tokens."
     )
 
@@ -155,7 +153,6 @@ class GRPOConfig:
                     f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
                 )
         checks = [
-            (self.group_size >= 2, "group_size", "needs >= 2 for group-relative advantages"),
             (self.learning_rate > 0, "learning_rate", "must be > 0"),
             (self.beta >= 0, "beta", "must be >= 0 (0 disables the KL term)"),
             (0 <= self.epsilon_low < 1, "epsilon_low", "must be in [0, 1)"),
@@ -168,26 +165,28 @@ class GRPOConfig:
             (self.lora_r >= 1, "lora_r", "must be >= 1"),
             (0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)"),
             (bool(self.lora_target_modules), "lora_target_modules", "must name >= 1 module"),
-            (self.temperature > 0, "temperature", "must be > 0"),
             (
                 self.max_completion_length is None or self.max_completion_length >= 1,
                 "max_completion_length",
                 "must be None or >= 1",
             ),
-            (
-                self.total_steps is None or self.total_steps >= max(1, self.warmup_steps),
-                "total_steps",
-                f"must be None or >= max(1, warmup_steps={self.warmup_steps})",
-            ),
         ]
         for ok, name, rule in checks:
             if not ok:
                 raise InvalidOptionError(f"{name} {rule}, got {getattr(self, name)!r}")
-        if self.lr_scheduler != "constant" and self.total_steps is None:
-            raise InvalidOptionError(
-                f"lr_scheduler={self.lr_scheduler!r} decays over total_steps, got "
-                "total_steps=None; set total_steps=<learn() calls> or lr_scheduler='constant'"
-            )
+
+
+def check_schedule(lr_scheduler: str, warmup_steps: int, total_steps: int | None) -> None:
+    """A decaying LR needs the run's length: raise naming the fix if it is missing."""
+    if total_steps is not None and total_steps < max(1, warmup_steps):
+        raise InvalidOptionError(
+            f"total_steps must be >= max(1, warmup_steps={warmup_steps}), got {total_steps}"
+        )
+    if lr_scheduler != "constant" and total_steps is None:
+        raise InvalidOptionError(
+            f"lr_scheduler={lr_scheduler!r} decays over the run's steps, got total_steps=None; "
+            "pass total_steps=<optimizer steps> to the trainer or use lr_scheduler='constant'"
+        )
 
 
 def compute_advantages(
@@ -289,22 +288,24 @@ class MicroBatch:
     sampler_logprobs: torch.Tensor  # (N, T)
     advantages: torch.Tensor  # (N,)
 
-
-def collate(
-    episodes: Sequence[EpisodeLike],
-    advantages: Sequence[float],
-    pad_token_id: int,
-    device: torch.device | str | None = None,
-) -> MicroBatch:
-    """Right-pad episodes (:func:`agentenv.episode.collate`) into a :class:`MicroBatch`."""
-    batch = collate_episodes(episodes, advantages, pad_token_id)
-    return MicroBatch(
-        input_ids=batch["input_ids"].to(device),
-        attention_mask=batch["attention_mask"].to(device),
-        action_mask=batch["action_mask"].long().to(device),
-        sampler_logprobs=batch["old_logprobs"].to(device),
-        advantages=batch["advantages"].to(device),
-    )
+    @classmethod
+    def from_episodes(
+        cls,
+        episodes: Sequence[EpisodeLike],
+        advantages: Sequence[float],
+        pad_token_id: int,
+        device: torch.device | str | None = None,
+    ) -> MicroBatch:
+        """Right-padded tensors of :func:`agentenv.episode.collate` (the one collate), on
+        ``device``."""
+        batch = collate(episodes, advantages, pad_token_id)
+        return cls(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            action_mask=batch["action_mask"].long().to(device),
+            sampler_logprobs=batch["sampler_logprobs"].to(device),
+            advantages=batch["advantages"].to(device),
+        )
 
 
 def pack_micro_batches(
@@ -344,7 +345,12 @@ def _prompt_length(action_mask: Sequence[int]) -> int:
 
 
 class GRPO:
-    """GRPO trainer: ``GRPO(model, tokenizer, config).learn(groups) -> metrics``.
+    """GRPO trainer: ``GRPO(model, tokenizer, config, sampling=...).learn(groups) -> metrics``.
+
+    Values a run owns elsewhere are arguments, not config fields, so that each has one
+    owner: ``sampling`` is the sampler's own settings object (the learner reads its
+    ``temperature`` at every step, so the two cannot disagree), ``total_steps`` the run's
+    step count (the horizon of a decaying LR) and ``seed`` the run's seed (LoRA init).
 
     Attributes:
         model: The trained model as prepared by accelerate (a PeftModel under LoRA).
@@ -361,9 +367,15 @@ class GRPO:
         config: GRPOConfig | None = None,
         accelerator: Accelerator | None = None,
         *,
+        sampling: SamplingLike | None = None,
+        total_steps: int | None = None,
+        seed: int = 0,
         dtype: torch.dtype | None = None,
     ) -> None:
         self.config = cfg = config or GRPOConfig()
+        self.sampling = sampling or SimpleNamespace(temperature=1.0)
+        self.temperature  # noqa: B018 - validated before any work
+        check_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_steps)
         self.tokenizer = tokenizer
         self.accelerator = accelerator or default_accelerator(model)
         self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
@@ -394,7 +406,7 @@ class GRPO:
                 cfg.lora_alpha,
                 cfg.lora_dropout,
                 cfg.lora_target_modules,
-                cfg.seed,
+                seed,
                 cfg.lora_layers,
             )
         params = [p for p in model.parameters() if p.requires_grad]
@@ -403,10 +415,21 @@ class GRPO:
         if name == "constant" and cfg.warmup_steps:
             name = "constant_with_warmup"
         self.scheduler = get_scheduler(
-            name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.total_steps
+            name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps
         )
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self._params = params
+
+    @property
+    def temperature(self) -> float:
+        """The sampler's temperature, read from its settings at every call."""
+        temperature = self.sampling.temperature
+        if temperature <= 0:
+            raise InvalidOptionError(
+                f"GRPO learns from sampled episodes, got sampling temperature {temperature}; "
+                "greedy decoding (0) has no log-probs to learn from: set temperature > 0"
+            )
+        return temperature
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -426,21 +449,25 @@ class GRPO:
         load_checkpoint(self, path)
 
     def _flatten(self, groups: Sequence[Sequence[EpisodeLike]]) -> list[EpisodeLike]:
-        g = self.config.group_size
         episodes = [ep for group in groups for ep in group]
-        if not episodes or any(len(group) != g for group in groups):
-            sizes = sorted({len(group) for group in groups})
+        sizes = sorted({len(group) for group in groups})
+        if not episodes or len(sizes) != 1 or sizes[0] < 2:
             raise InvalidOptionError(
-                f"expected groups of group_size={g} episodes, got group sizes {sizes}; pass "
-                "one inner sequence of episodes per task, or set GRPOConfig(group_size=...)"
+                f"expected groups of >= 2 episodes, all the same size, got group sizes {sizes}; "
+                "pass one inner sequence of G episodes per task (G = the rollout's group_size)"
             )
         for ep in episodes:
             n = len(ep.input_ids)
-            if n < 2 or len(ep.action_mask) != n or len(ep.logprobs) != n or ep.action_mask[0]:
+            if (
+                n < 2
+                or len(ep.action_mask) != n
+                or len(ep.sampler_logprobs) != n
+                or ep.action_mask[0]
+            ):
                 raise InvalidOptionError(
                     f"expected an episode with >= 2 tokens, equally long input_ids, "
-                    f"action_mask and logprobs and action_mask[0] == 0, got lengths "
-                    f"{n}/{len(ep.action_mask)}/{len(ep.logprobs)}; build it with "
+                    f"action_mask and sampler_logprobs and action_mask[0] == 0, got lengths "
+                    f"{n}/{len(ep.action_mask)}/{len(ep.sampler_logprobs)}; build it with "
                     "agentenv.episode"
                 )
         return episodes
@@ -454,7 +481,7 @@ class GRPO:
                     self.ref_model,
                     mb.input_ids,
                     mb.attention_mask,
-                    self.config.temperature,
+                    self.temperature,
                     action_mask=mb.action_mask,
                 )
             policy = self.unwrapped_model
@@ -463,7 +490,7 @@ class GRPO:
                     policy,
                     mb.input_ids,
                     mb.attention_mask,
-                    self.config.temperature,
+                    self.temperature,
                     action_mask=mb.action_mask,
                 )
 
@@ -484,9 +511,11 @@ class GRPO:
         advantages = compute_advantages(rewards, cfg.advantage_norm)  # (B, G)
         zero_std = (rewards == rewards[:, :1]).all(dim=1)  # (B,)
         keep = [
-            i for i in range(len(episodes)) if cfg.beta > 0 or not zero_std[i // cfg.group_size]
+            i for i in range(len(episodes)) if cfg.beta > 0 or not zero_std[i // len(groups[0])]
         ]
-        batches, totals = self._micro_batches(episodes, advantages.flatten().tolist(), keep)
+        batches, totals = self._micro_batches(
+            episodes, advantages.flatten().tolist(), keep, len(groups[0])
+        )
         lr = self.scheduler.get_last_lr()[0]
         sums = self._optimize(batches, totals) if totals["num_tokens"] > 0 else {}
         with warnings.catch_warnings():  # no optimizer step when every group had zero std
@@ -543,7 +572,7 @@ class GRPO:
         }
 
     def _micro_batches(
-        self, episodes: list[EpisodeLike], advantages: list[float], keep: list[int]
+        self, episodes: list[EpisodeLike], advantages: list[float], keep: list[int], g: int
     ) -> tuple[list[MicroBatch], dict[str, float]]:
         """Pack the kept episodes by token budget; whole-batch normalisers over processes."""
         cfg, device = self.config, self.accelerator.device
@@ -553,13 +582,13 @@ class GRPO:
             cfg.max_completion_length or self._global([max(policy_counts, default=0)], "max")[0]
         )
         prompts = [  # a group's episodes share their prompt: pack them together
-            (i // cfg.group_size, _prompt_length(episodes[i].action_mask)) for i in keep
+            (i // g, _prompt_length(episodes[i].action_mask)) for i in keep
         ]
         packs = pack_micro_batches(
             [len(episodes[i].input_ids) for i in keep], cfg.micro_batch_tokens, prompts
         )
         batches = [
-            collate(
+            MicroBatch.from_episodes(
                 [episodes[keep[j]] for j in pack],
                 [advantages[keep[j]] for j in pack],
                 self.pad_token_id,
@@ -572,10 +601,10 @@ class GRPO:
             pad = SimpleNamespace(
                 input_ids=[self.pad_token_id] * 2,
                 action_mask=[0, 0],
-                logprobs=[0.0, 0.0],
+                sampler_logprobs=[0.0, 0.0],
                 reward=0.0,
             )
-            batches += [collate([pad], [0.0], self.pad_token_id, device)] * (
+            batches += [MicroBatch.from_episodes([pad], [0.0], self.pad_token_id, device)] * (
                 num_batches - len(batches)
             )
         totals = {
@@ -605,7 +634,7 @@ class GRPO:
                             self.model,
                             mb.input_ids,
                             mb.attention_mask,
-                            cfg.temperature,
+                            self.temperature,
                             action_mask=mb.action_mask,
                             with_entropy=iteration == 0,
                         )

@@ -21,12 +21,12 @@ import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
+from agentenv.config import option
 from agentenv.episode import collate
 from agentenv.errors import InvalidOptionError
 from algorithms.grpo import (
     LORA_TARGETS,
     EpisodeLike,
-    _field,
     default_accelerator,
     pack_micro_batches,
 )
@@ -39,28 +39,27 @@ from algorithms.precision import autocast, compute_dtype
 class SFTConfig:
     """Hyper-parameters of :class:`SFT`."""
 
-    learning_rate: float = _field(2e-4, "Peak AdamW LR (LoRA adapters want a large LR).")
-    epochs: int = _field(2, "Passes over the episodes in :meth:`SFT.fit`.")
-    batch_size: int = _field(16, "Episodes per optimizer step.")
-    micro_batch_tokens: int = _field(
+    learning_rate: float = option(2e-4, "Peak AdamW LR (LoRA adapters want a large LR).")
+    epochs: int = option(2, "Passes over the episodes in :meth:`SFT.fit`.")
+    batch_size: int = option(16, "Episodes per optimizer step.")
+    micro_batch_tokens: int = option(
         1024,
         "Sequences x padded length per forward/backward. 1024 is fastest and leanest on a "
         "CPU (larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
     )
-    max_grad_norm: float = _field(1.0, "Global gradient-norm clip.")
-    weight_decay: float = _field(0.0, "AdamW weight decay.")
-    warmup_steps: int = _field(0, "Linear LR warmup, in optimizer steps.")
-    lr_scheduler: str = _field("constant", "constant | linear | cosine (needs total_steps).")
-    total_steps: int | None = _field(None, "Optimizer steps, for linear/cosine decay.")
-    use_lora: bool = _field(True, "Train LoRA adapters (peft); False: full fine-tuning.")
-    lora_r: int = _field(16, "LoRA rank.")
-    lora_alpha: int = _field(32, "LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = _field(0.0, "Dropout on the LoRA input.")
-    lora_target_modules: list[str] = _field(LORA_TARGETS, "Module names that get adapters.")
-    lora_layers: int | None = _field(
+    max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    warmup_steps: int = option(0, "Linear LR warmup, in optimizer steps.")
+    lr_scheduler: str = option("constant", "constant | linear | cosine (needs total_steps).")
+    total_steps: int | None = option(None, "Optimizer steps, for linear/cosine decay.")
+    use_lora: bool = option(True, "Train LoRA adapters (peft); False: full fine-tuning.")
+    lora_r: int = option(16, "LoRA rank.")
+    lora_alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = option(LORA_TARGETS, "Module names that get adapters.")
+    lora_layers: int | None = option(
         None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
     )
-    seed: int = _field(0, "Seed of the LoRA init and the episode shuffling.")
 
     def __post_init__(self) -> None:
         checks = [
@@ -102,9 +101,11 @@ class SFT:
         config: SFTConfig | None = None,
         accelerator: Accelerator | None = None,
         *,
+        seed: int = 0,
         dtype: torch.dtype | None = None,
     ) -> None:
         self.config = cfg = config or SFTConfig()
+        self.seed = seed  # the run's: LoRA init and episode shuffling
         self.tokenizer = tokenizer
         self.accelerator = accelerator or default_accelerator(model)
         self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
@@ -116,7 +117,7 @@ class SFT:
                 cfg.lora_alpha,
                 cfg.lora_dropout,
                 cfg.lora_target_modules,
-                cfg.seed,
+                seed,
                 cfg.lora_layers,
             )
         params = [p for p in model.parameters() if p.requires_grad]
@@ -175,7 +176,7 @@ class SFT:
         from tqdm.auto import tqdm
 
         order = list(range(len(episodes)))
-        rng = random.Random(self.config.seed)
+        rng = random.Random(self.seed)
         bs = self.config.batch_size
         steps = self.config.epochs * -(-len(order) // bs)
         history = []

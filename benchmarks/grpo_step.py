@@ -197,18 +197,12 @@ def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
     )
     config = GRPOConfig(
-        group_size=args.group_size,
         learning_rate=args.learning_rate,
         beta=0.0,
         loss_type="dapo",
         num_iterations=1,
         use_lora=not args.full_finetune,
-        temperature=1.0,
-        seed=args.seed,
     )
-    algo = GRPO(model, tokenizer, config, dtype=compute)
-    fmt = ChatFormat(tokenizer)
-    policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
     rollout = RolloutConfig(
         args.group_size,
         args.max_turns,
@@ -216,6 +210,9 @@ def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
         SamplingConfig(args.max_new_tokens, temperature=1.0),
         show_progress=False,
     )
+    algo = GRPO(model, tokenizer, config, sampling=rollout.sampling, seed=args.seed, dtype=compute)
+    fmt = ChatFormat(tokenizer)
+    policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
 
     def env_factory() -> Any:
         env = make_env(args)

@@ -104,7 +104,7 @@ def test_env_delta_after_a_length_cut_turn_closes_the_turn(tokenizer):
     assert tokenizer.decode(ep.input_ids[end:]) == (
         "<|im_end|>\n<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert ep.logprobs[ep.policy_spans()[0][0]] == -0.5 and ep.logprobs[end] == 0.0
+    assert ep.sampler_logprobs[ep.policy_spans()[0][0]] == -0.5 and ep.sampler_logprobs[end] == 0.0
 
 
 def test_overflowing_observation_is_truncated_with_marker_not_dropped(tokenizer):
@@ -130,7 +130,7 @@ def test_collate_pads_right_and_aligns_masks():
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [5, 6, 9, 2]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
     assert batch["action_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
-    assert batch["old_logprobs"].tolist() == [[0, 0, -1, -2], [0, -0.5, 0, 0]]
+    assert batch["sampler_logprobs"].tolist() == [[0, 0, -1, -2], [0, -0.5, 0, 0]]
     assert batch["advantages"].tolist() == [0.5, -0.5]
     assert batch["rewards"].dtype == torch.float32
     with pytest.raises(ValueError, match="equal lengths"):

@@ -58,9 +58,9 @@ def test_fp32_logprobs_match_a_forward_pass(tiny_model, tokenizer):
     ps = prompts(tokenizer)
     gens = policy.generate(ps, SamplingConfig(12, temperature=1.0, stop_strings=[]))
     for p, g in zip(ps, gens, strict=True):
-        assert len(g.token_ids) == len(g.logprobs) >= 1
+        assert len(g.token_ids) == len(g.sampler_logprobs) >= 1
         expected = recompute(tiny_model, p, g)
-        assert (expected - torch.tensor(g.logprobs)).abs().mean() < 1e-5
+        assert (expected - torch.tensor(g.sampler_logprobs)).abs().mean() < 1e-5
 
 
 def test_lm_head_gets_contiguous_rows_and_the_model_is_left_unhooked(tiny_model, tokenizer):
@@ -90,7 +90,7 @@ def test_shared_prefix_and_batching_do_not_change_results(tiny_model, tokenizer,
     tol = 1e-5 if dtype == "float32" else 0.05  # bf16: other batch shapes, other rounding
     for a, b in zip(shared, alone, strict=True):
         assert a.token_ids == b.token_ids
-        assert a.logprobs == pytest.approx(b.logprobs, abs=tol)
+        assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=tol)
 
 
 def test_stop_string_cuts_the_turn_without_changing_earlier_tokens(tiny_model, tokenizer):
@@ -103,7 +103,7 @@ def test_stop_string_cuts_the_turn_without_changing_earlier_tokens(tiny_model, t
     k = len(cut.token_ids)
     assert cut.finish_reason == "stop_string" and k <= 5
     assert cut.token_ids == full.token_ids[:k]  # exactly the sampled tokens, nothing after
-    assert cut.logprobs == pytest.approx(full.logprobs[:k], abs=1e-6)
+    assert cut.sampler_logprobs == pytest.approx(full.sampler_logprobs[:k], abs=1e-6)
     assert stop in tokenizer.decode(cut.token_ids)
     assert stop not in tokenizer.decode(cut.token_ids[:-1])  # cut at the first completion
 
@@ -139,7 +139,7 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_model, t
     for i in (0, 2):
         if both[i].finish_reason == "length":
             assert both[i].token_ids == full[i].token_ids
-            assert both[i].logprobs == pytest.approx(full[i].logprobs, abs=1e-5)
+            assert both[i].sampler_logprobs == pytest.approx(full[i].sampler_logprobs, abs=1e-5)
 
 
 def test_stop_token_is_kept_and_ends_the_turn(tiny_model, tokenizer):
@@ -173,7 +173,7 @@ def test_lora_copy_is_unmerged_shares_the_base_and_resyncs_after_a_step(tiny_mod
         torch.manual_seed(1)
         gens = policy.generate(ps, SamplingConfig(8, temperature=1.0, stop_strings=[]))
         for p, g in zip(ps, gens, strict=True):
-            diff = (recompute(peft_model, p, g) - torch.tensor(g.logprobs)).abs()
+            diff = (recompute(peft_model, p, g) - torch.tensor(g.sampler_logprobs)).abs()
             assert diff.mean() < 1e-3  # the bound for float32
     assert torch.equal(layer.b, trained.lora_B["default"].weight * scaling)  # the synced update
     assert torch.equal(layer.a, trained.lora_A["default"].weight) and layer.b.abs().sum() > 0
@@ -200,7 +200,7 @@ def test_bf16_lora_sampler_logprobs_match_the_learners_autocast(tiny_model, toke
     gens = policy.generate(ps, SamplingConfig(12, temperature=1.0, stop_strings=[]))
     own, base = [], []
     for p, g in zip(ps, gens, strict=True):
-        sampled = torch.tensor(g.logprobs)
+        sampled = torch.tensor(g.sampler_logprobs)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             own.append((recompute(peft_model, p, g) - sampled).abs())
             with peft_model.disable_adapter():
@@ -242,7 +242,7 @@ def test_bf16_sampler_logprobs_stay_close_to_the_float32_trainer(tiny_model, tok
     gens = policy.generate(ps, SamplingConfig(12, temperature=1.0, stop_strings=[]))
     diffs = torch.cat(
         [
-            (recompute(tiny_model, p, g) - torch.tensor(g.logprobs)).abs()
+            (recompute(tiny_model, p, g) - torch.tensor(g.sampler_logprobs)).abs()
             for p, g in zip(ps, gens, strict=True)
         ]
     )
@@ -285,6 +285,6 @@ def test_next_turn_continues_from_the_saved_cache(tiny_model, tokenizer, dtype):
     tol = 1e-5 if dtype == "float32" else 0.05
     for a, b in zip(reused, expected, strict=True):
         assert a.token_ids == b.token_ids
-        assert a.logprobs == pytest.approx(b.logprobs, abs=tol)
+        assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=tol)
     policy.sync()  # new weights: the saved caches are dropped
     assert policy._saved == {}

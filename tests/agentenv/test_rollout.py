@@ -48,7 +48,7 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer):
         for ep, gen in zip(episodes, gens, strict=True):
             start, end = ep.policy_spans()[turn]
             assert ep.input_ids[start:end] == gen.token_ids
-            assert ep.logprobs[start:end] == pytest.approx(gen.logprobs)
+            assert ep.sampler_logprobs[start:end] == pytest.approx(gen.sampler_logprobs)
     assert set(metrics) == {
         "rollout/generate_s",
         "rollout/env_s",
@@ -75,7 +75,7 @@ def test_sampler_logprobs_match_a_forward_pass(tiny_model, tokenizer):
     for warp in (TopKLogitsWarper(50), TopPLogitsWarper(0.9)):
         rows = warp(None, rows)
     expected = torch.log_softmax(rows, -1).gather(1, ids[mask][:, None]).squeeze(1)
-    stored = batch["old_logprobs"][:, 1:][mask]
+    stored = batch["sampler_logprobs"][:, 1:][mask]
     assert stored == pytest.approx(expected.tolist(), abs=1e-4)
 
 
@@ -118,7 +118,7 @@ def test_real_smollm2_rollout_on_calculator(smollm2):
     assert [len(g) for g in groups] == [2, 2]
     for ep in (e for g in groups for e in g):
         assert 1 <= ep.num_turns <= 2 and ep.num_policy_tokens > 0
-        assert len(ep.input_ids) == len(ep.action_mask) == len(ep.logprobs) <= 1024
-        assert all(lp <= 0 for lp, m in zip(ep.logprobs, ep.action_mask, strict=True) if m)
+        assert len(ep.input_ids) == len(ep.action_mask) == len(ep.sampler_logprobs) <= 1024
+        assert all(lp <= 0 for lp, m in zip(ep.sampler_logprobs, ep.action_mask, strict=True) if m)
         assert ep.reward in (0.0, 1.0) and "turn" in ep.info
     assert metrics["rollout/generate_s"] > 0

@@ -1,9 +1,13 @@
 """End-to-end: the training loop, SFT warm start, resume, artifacts, CLI (tiny model)."""
 
+import argparse
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
+from agentenv import config as config_lib
 from agentenv.cli import main
 from agentenv.errors import InvalidOptionError
 from agentenv.tracking import read_metrics
@@ -19,10 +23,12 @@ def config(model_dir, out, **kw):
         env_kwargs=ENV,
         steps=2,
         batch_size=2,
-        group_size=2,
-        max_turns=2,
-        max_new_tokens=6,
-        max_episode_tokens=256,
+        rollout={
+            "group_size": 2,
+            "max_turns": 2,
+            "max_episode_tokens": 256,
+            "sampling": {"max_new_tokens": 6},
+        },
         eval_tasks=3,
         save_every=1,
         log_episodes=3,
@@ -151,16 +157,94 @@ def test_sft_then_init_from_and_eval_adapter(tiny_model_dir, tmp_path, capsys):
     assert "accuracy diff (b-a)" in capsys.readouterr().out
 
 
-def test_config_file_and_validation(tmp_path):
+def test_config_file_and_flags_deep_merge_with_one_owner_per_value(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("steps: 7\ngrpo:\n  loss_type: grpo\n")
-    cfg = TrainConfig.from_file(path, batch_size=3)
-    assert (cfg.steps, cfg.batch_size, cfg.grpo) == (7, 3, {"loss_type": "grpo"})
-    path.write_text("stepz: 7\n")
-    with pytest.raises(InvalidOptionError, match="unknown config key"):
-        TrainConfig.from_file(path)
-    with pytest.raises(InvalidOptionError, match="steps"):
-        TrainConfig(steps=0)
+    path.write_text(
+        "steps: 7\nrollout: {group_size: 4, sampling: {temperature: 0.5}}\n"
+        "grpo: {learning_rate: 2.0e-4, loss_type: grpo}\n"
+    )
+    cfg = TrainConfig.resolve(path, {"batch_size": 3, "grpo": {"beta": 0.04}})
+    assert (cfg.steps, cfg.batch_size, cfg.rollout.group_size) == (7, 3, 4)
+    # the flag's beta joins the file's grpo section instead of replacing it
+    assert (cfg.grpo.learning_rate, cfg.grpo.loss_type, cfg.grpo.beta) == (2e-4, "grpo", 0.04)
+    # keys the file leaves out keep the training defaults, not RolloutConfig's own
+    assert (cfg.rollout.max_turns, cfg.rollout.sampling.max_new_tokens) == (3, 64)
+    assert cfg.rollout.sampling.temperature == 0.5
+    saved = config_lib.to_dict(cfg)
+    assert config_lib.from_dict(TrainConfig, saved) == cfg  # config.json reads back
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stepz: 7\n", "unknown key 'stepz' in the top level .*did you mean 'steps'"),
+        ("grpo: {betta: 0.1}\n", "unknown key 'betta' in section 'grpo'.*did you mean 'beta'"),
+        (
+            "rollout: {sampling: {temprature: 0.1}}\n",
+            "'temprature' in section 'sampling'.*did you mean 'temperature'",
+        ),
+        ("grpo: 0.1\n", "'grpo' in .* is a section"),
+        ("rollout: {sampling: {temperature: 0}}\n", "temperature must be > 0 for training"),
+        ("grpo: {loss_type: ppo}\n", "loss_type must be one of"),
+        ("dtype: float64\n", "float64"),
+    ],
+)
+def test_bad_config_keys_and_values_name_the_key_and_the_fix(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(InvalidOptionError, match=message):
+        TrainConfig.resolve(path)
+
+
+def test_every_setting_is_a_flag_with_its_help(capsys):
+    from agentenv.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag, help_words in [
+        ("--temperature", "Sampling temperature"),
+        ("--learning-rate", "Peak AdamW LR"),
+        ("--group-size", "Episodes per task"),
+        ("--dtype", "Compute dtype"),
+        ("--max-new-tokens", "Most tokens per policy turn"),
+        ("--beta", "KL coefficient"),
+    ]:
+        assert flag in text and help_words in text, flag
+    args = build_parser().parse_args(["train", "--temperature", "0.5", "--lora-r", "8"])
+    overrides = config_lib.flag_overrides(args, args.config_flags)
+    assert overrides == {"rollout": {"sampling": {"temperature": 0.5}}, "grpo": {"lora_r": 8}}
+
+
+def test_a_misspelt_flag_or_key_fails_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    from agentenv import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("model loaded"))
+    path = tmp_path / "c.yaml"
+    path.write_text("grpo: {betta: 0.1}\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert "did you mean 'beta'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--betta", "0.1"])
+    assert main(["train", "--temperature", "0"]) == 2
+    assert "temperature must be > 0" in capsys.readouterr().err
+
+
+def test_one_owner_per_value_across_every_command():
+    """Flags are flat: a leaf name owned by two fields would fail to build the parser."""
+    from agentenv.evaluate import EvalRunConfig
+    from agentenv.warmstart import SFTRunConfig
+
+    for cfg in (TrainConfig(), SFTRunConfig(), EvalRunConfig()):
+        config_lib.add_flags(argparse.ArgumentParser(), cfg)
+
+    @dataclasses.dataclass
+    class Twice:
+        temperature: float = 1.0
+        rollout: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    with pytest.raises(ValueError, match="'temperature' is owned twice"):
+        config_lib.add_flags(argparse.ArgumentParser(), Twice())
 
 
 def test_quickstart_reports_the_share_of_groups_with_a_learning_signal(tmp_path, capsys):
@@ -192,3 +276,19 @@ def test_quickstart_says_whether_the_held_out_gain_is_significant(tmp_path, caps
     EvalReport({}, [0.0] * 4).save(tmp_path / "eval" / "before.json")
     _print_learning_signal(tmp_path)
     assert "+1.000 ± 0.000 (paired stderr): more than 2" in capsys.readouterr().out
+
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "custom_env.py")
+
+
+def test_a_users_env_works_from_every_command(tiny_model_dir, tmp_path, capsys):
+    assert main(["list", "--import", EXAMPLE]) == 0
+    assert "agentenv/Capitals-v0" in capsys.readouterr().out
+    out = tmp_path / "run"
+    flags = ["--model", tiny_model_dir, "--steps", "1", "--batch-size", "1", "--group-size", "2"]
+    flags += ["--max-new-tokens", "4", "--eval-tasks", "0", "--output-dir", str(out)]
+    assert main(["train", f"{EXAMPLE}:Capitals-v0", *flags]) == 0
+    assert json.loads((out / "config.json").read_text())["env_id"].endswith(":Capitals-v0")
+    assert len(read_metrics(out)) == 1
+    assert main(["train", "no_such_module_here:Capitals-v0", *flags]) == 2
+    assert "could not import 'no_such_module_here'" in capsys.readouterr().err

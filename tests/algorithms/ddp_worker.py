@@ -32,14 +32,12 @@ def groups() -> list[list[dict]]:
 class Ep:
     def __init__(self, ids, mask, reward):
         self.input_ids, self.action_mask, self.reward = ids, mask, reward
-        self.logprobs = [-1.0 if m else 0.0 for m in mask]
+        self.sampler_logprobs = [-1.0 if m else 0.0 for m in mask]
 
 
 def main(out_path: str, loss_type: str) -> None:
     tokenizer = load_tokenizer()
-    cfg = GRPOConfig(
-        group_size=4, loss_type=loss_type, use_lora=False, learning_rate=1e-3, micro_batch_tokens=40
-    )
+    cfg = GRPOConfig(loss_type=loss_type, use_lora=False, learning_rate=1e-3, micro_batch_tokens=40)
     algo = GRPO(tiny_model(tokenizer), tokenizer, cfg)
     rank, world = algo.accelerator.process_index, algo.accelerator.num_processes
     mine = [[Ep(*e) for e in g] for g in groups()[rank::world]]

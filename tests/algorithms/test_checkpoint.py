@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from agentenv.errors import InvalidOptionError
 from agentenv.models import tiny_model as build
 from algorithms.checkpoint import MARKER, latest_checkpoint
-from algorithms.grpo import GRPO, GRPOConfig, collate
+from algorithms.grpo import GRPO, GRPOConfig, MicroBatch
 from algorithms.logprobs import token_logprobs
 
 # peft 0.21 reads a property transformers 5.23 deprecated; nothing for us to act on
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:Futu
 class Ep:
     input_ids: list[int]
     action_mask: list[int]
-    logprobs: list[float]
+    sampler_logprobs: list[float]
     reward: float
 
 
@@ -44,12 +44,14 @@ def make_groups(seed: int = 0) -> list[list[Ep]]:
 
 
 def config(**overrides) -> GRPOConfig:
-    base = {"group_size": 4, "learning_rate": 1e-3, "lora_r": 4, "lora_alpha": 8}
+    base = {"learning_rate": 1e-3, "lora_r": 4, "lora_alpha": 8}
     return GRPOConfig(**{**base, **overrides})
 
 
 def logprobs_of(model: torch.nn.Module, tokenizer) -> torch.Tensor:
-    mb = collate([e for g in make_groups(seed=7) for e in g], [0.0] * 8, tokenizer.pad_token_id)
+    mb = MicroBatch.from_episodes(
+        [e for g in make_groups(seed=7) for e in g], [0.0] * 8, tokenizer.pad_token_id
+    )
     with torch.no_grad():
         return token_logprobs(model, mb.input_ids, mb.attention_mask)
 
@@ -65,8 +67,8 @@ def assert_same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimiz
 
 @pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
 def test_save_load_roundtrip(tmp_path, tokenizer, use_lora):
-    cfg = config(use_lora=use_lora, lr_scheduler="linear", total_steps=10)
-    trainer = GRPO(build(tokenizer), tokenizer, cfg)
+    cfg, steps = config(use_lora=use_lora, lr_scheduler="linear"), 10
+    trainer = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps)
     trainer.learn(make_groups())
     trainer.learn(make_groups(seed=1))
     path = trainer.save(tmp_path / "checkpoint-2")
@@ -74,7 +76,7 @@ def test_save_load_roundtrip(tmp_path, tokenizer, use_lora):
     assert not list(tmp_path.glob("*.tmp-*"))
 
     # LoRA checkpoints hold only the adapter: the base must be the same; full FT: any init
-    fresh = GRPO(build(tokenizer, seed=0 if use_lora else 5), tokenizer, cfg)
+    fresh = GRPO(build(tokenizer, seed=0 if use_lora else 5), tokenizer, cfg, total_steps=steps)
     assert not torch.allclose(
         logprobs_of(fresh.model, tokenizer), logprobs_of(trainer.model, tokenizer)
     )
@@ -114,16 +116,16 @@ def test_full_model_is_hugging_face_format(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
 def test_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, use_lora):
-    cfg = config(use_lora=use_lora, beta=0.05, lr_scheduler="cosine", total_steps=5)
-    uninterrupted = GRPO(build(tokenizer), tokenizer, cfg)
+    cfg, steps = config(use_lora=use_lora, beta=0.05, lr_scheduler="cosine"), 5
+    uninterrupted = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps)
     for seed in range(3):
         uninterrupted.learn(make_groups(seed))
 
-    first = GRPO(build(tokenizer), tokenizer, cfg)
+    first = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps)
     for seed in range(2):
         first.learn(make_groups(seed))
     first.save(tmp_path / "checkpoint-2")
-    resumed = GRPO(build(tokenizer), tokenizer, cfg)
+    resumed = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps)
     resumed.load(latest_checkpoint(tmp_path))
     metrics = resumed.learn(make_groups(2))
 

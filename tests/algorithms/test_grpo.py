@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from agentenv.errors import InvalidOptionError
 from algorithms.grpo import (
     GRPO,
     GRPOConfig,
-    collate,
+    MicroBatch,
     compute_advantages,
     pack_micro_batches,
     policy_loss,
@@ -53,7 +54,7 @@ class Ep:
 
     input_ids: list[int]
     action_mask: list[int]
-    logprobs: list[float]
+    sampler_logprobs: list[float]
     reward: float
 
 
@@ -74,7 +75,7 @@ def make_groups(rewards: list[list[float]], seed: int = 0) -> list[list[Ep]]:
 
 
 def config(**overrides) -> GRPOConfig:
-    base = {"group_size": 4, "learning_rate": 1e-3, "lora_r": 4, "lora_alpha": 8}
+    base = {"learning_rate": 1e-3, "lora_r": 4, "lora_alpha": 8}
     return GRPOConfig(**{**base, **overrides})
 
 
@@ -136,16 +137,42 @@ def test_config_defaults_and_lr_resolution():
     ("kwargs", "message"),
     [
         ({"loss_type": "ppo"}, "loss_type must be one of .*'ppo'"),
-        ({"group_size": 1}, "group_size needs >= 2.*got 1"),
         ({"epsilon_low": 1.5}, r"epsilon_low must be in \[0, 1\), got 1.5"),
-        ({"lr_scheduler": "cosine"}, "total_steps=None; set total_steps"),
-        ({"warmup_steps": 10, "total_steps": 5}, "total_steps must be .*warmup_steps=10"),
         ({"beta": -0.1}, "beta must be >= 0"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(InvalidOptionError, match=message):
         GRPOConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "kwargs", "message"),
+    [
+        ({"lr_scheduler": "cosine"}, {}, "total_steps=None; pass total_steps"),
+        ({"warmup_steps": 10}, {"total_steps": 5}, "total_steps must be .*warmup_steps=10"),
+        (
+            {},
+            {"sampling": SimpleNamespace(temperature=0.0)},
+            "temperature 0.0.*set temperature > 0",
+        ),
+    ],
+)
+def test_trainer_rejects_bad_run_values_before_any_work(
+    tiny_model, tokenizer, cfg, kwargs, message
+):
+    with pytest.raises(InvalidOptionError, match=message):
+        GRPO(tiny_model, tokenizer, config(**cfg), **kwargs)
+
+
+def test_trainer_reads_the_samplers_temperature_from_its_settings_object(tiny_model, tokenizer):
+    """One owner: changing the sampler's temperature changes the learner's, with no copy."""
+    sampling = SimpleNamespace(temperature=0.7)
+    trainer = GRPO(tiny_model, tokenizer, config(), sampling=sampling)
+    assert trainer.temperature == 0.7
+    sampling.temperature = 0.3
+    assert trainer.temperature == 0.3
+    assert not hasattr(trainer.config, "temperature") and not hasattr(trainer.config, "group_size")
 
 
 # ---------------------------------------------------------------- policy_loss by hand
@@ -263,7 +290,7 @@ def test_zero_advantage_episodes_contribute_no_gradient(tiny_model, tokenizer):
 
     def grads(episodes, adv, loss_type):
         tiny_model.zero_grad()
-        mb = collate(episodes, adv, tokenizer.pad_token_id)
+        mb = MicroBatch.from_episodes(episodes, adv, tokenizer.pad_token_id)
         logp = token_logprobs(tiny_model, mb.input_ids, mb.attention_mask)
         cfg = GRPOConfig(loss_type=loss_type)
         loss, _ = policy_loss(
@@ -294,7 +321,7 @@ def test_selective_log_softmax_matches_full_log_softmax():
 
 
 def test_token_logprobs_chunked_equals_full_and_aligns(tiny_model, tokenizer):
-    mb = collate(
+    mb = MicroBatch.from_episodes(
         [e for g in make_groups([[0, 1, 0, 1]]) for e in g], [0.0] * 4, tokenizer.pad_token_id
     )
     with torch.no_grad():
@@ -338,7 +365,7 @@ def test_pack_micro_batches_counts_a_shared_prompt_once():
 
 def test_collate_right_pads():
     episodes = [Ep([5, 6, 7], [0, 1, 1], [0, -1, -2], 1.0), Ep([8, 9], [0, 1], [0, -3], 0.0)]
-    mb = collate(episodes, [0.5, -0.5], pad_token_id=2)
+    mb = MicroBatch.from_episodes(episodes, [0.5, -0.5], pad_token_id=2)
     assert mb.input_ids.tolist() == [[5, 6, 7], [8, 9, 2]]
     assert mb.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
     assert mb.action_mask.tolist() == [[0, 1, 1], [0, 1, 0]]
@@ -434,17 +461,19 @@ def test_all_zero_variance_batch_changes_nothing(tiny_model, tokenizer):
 
 def test_learn_rejects_malformed_groups(tiny_model, tokenizer):
     trainer = GRPO(tiny_model, tokenizer, config())
-    with pytest.raises(InvalidOptionError, match="group_size=4.*sizes \\[3\\]"):
-        trainer.learn(make_groups([[0, 1, 1]]))
+    with pytest.raises(InvalidOptionError, match="same size, got group sizes \\[3, 4\\]"):
+        trainer.learn(make_groups([[0, 1, 1, 0]]) + make_groups([[0, 1, 1]]))
+    with pytest.raises(InvalidOptionError, match=">= 2 episodes.*sizes \\[1\\]"):
+        trainer.learn(make_groups([[1]]))
     bad = make_groups([[0, 1, 1, 0]])
-    bad[0][1].logprobs = bad[0][1].logprobs[:-1]
+    bad[0][1].sampler_logprobs = bad[0][1].sampler_logprobs[:-1]
     with pytest.raises(InvalidOptionError, match="equally long"):
         trainer.learn(bad)
 
 
 def test_learning_rate_schedule_counts_learn_calls(tiny_model, tokenizer):
-    cfg = config(lr_scheduler="linear", warmup_steps=1, total_steps=3, learning_rate=1e-3)
-    trainer = GRPO(tiny_model, tokenizer, cfg)
+    cfg = config(lr_scheduler="linear", warmup_steps=1, learning_rate=1e-3)
+    trainer = GRPO(tiny_model, tokenizer, cfg, total_steps=3)
     groups = make_groups([[0, 1, 1, 0]])
     lrs = [trainer.learn(groups)["learning_rate"] for _ in range(3)]
     assert lrs == pytest.approx([0.0, 1e-3, 5e-4])
