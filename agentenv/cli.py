@@ -87,8 +87,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from agentenv.warmstart import SFTRunConfig, sft
 
     overrides = config_lib.flag_overrides(args, args.config_flags)
-    if args.env_id:
-        overrides["env_id"] = args.env_id
+    if args.env_arg:
+        overrides["env_id"] = args.env_arg
     sft(config_lib.resolve(SFTRunConfig, args.config, overrides))
     return 0
 
@@ -99,8 +99,8 @@ def _train_config(args: argparse.Namespace):  # noqa: ANN202
     from agentenv.train import TrainConfig
 
     overrides = config_lib.flag_overrides(args, args.config_flags)
-    if args.env_id:
-        overrides["env_id"] = args.env_id
+    if args.env_arg:
+        overrides["env_id"] = args.env_arg
     file = args.config
     if args.resume and not file:
         if not overrides.get("output_dir"):
@@ -126,8 +126,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(format_table([EvalReport.load(p) for p in args.compare]))
         return 0
     overrides = config_lib.flag_overrides(args, args.config_flags)
-    if args.env_id:
-        overrides["env_id"] = args.env_id
+    if args.env_arg:
+        overrides["env_id"] = args.env_arg
     run = config_lib.resolve(EvalRunConfig, args.config, overrides)
     from agentenv.episode import ChatFormat
     from agentenv.generation import TransformersPolicy
@@ -297,7 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Supervised warm start. Settings: defaults, then --config FILE, then "
         "flags; the effective config is saved as RUN_DIR/config.json.",
     )
-    p.add_argument("env_id", nargs="?", default=None, help="default: --config's, or Calculator-v0")
+    p.add_argument(
+        "env_arg",
+        nargs="?",
+        metavar="ENV_ID",
+        help="the env id (or --env-id); default: "
+        "--config's, or Calculator-v0; MODULE:Name-v0 imports MODULE first",
+    )
     p.add_argument(
         "--config", default=None, metavar="FILE", help="YAML or JSON, nested like config.json"
     )
@@ -312,7 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train with GRPO. Settings: defaults, then --config FILE, then flags; "
         "the effective config is saved as RUN_DIR/config.json.",
     )
-    p.add_argument("env_id", nargs="?", default=None, help="default: --config's, or Calculator-v0")
+    p.add_argument(
+        "env_arg",
+        nargs="?",
+        metavar="ENV_ID",
+        help="the env id (or --env-id); default: "
+        "--config's, or Calculator-v0; MODULE:Name-v0 imports MODULE first",
+    )
     p.add_argument(
         "--config", default=None, metavar="FILE", help="YAML or JSON, nested like config.json"
     )
@@ -328,7 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate a model (and adapter) on an env's split: accuracy, pass@k, "
         "tool use. Settings: defaults, then --config FILE, then flags.",
     )
-    p.add_argument("env_id", nargs="?", default=None, help="default: --config's, or Calculator-v0")
+    p.add_argument(
+        "env_arg",
+        nargs="?",
+        metavar="ENV_ID",
+        help="the env id (or --env-id); default: "
+        "--config's, or Calculator-v0; MODULE:Name-v0 imports MODULE first",
+    )
     p.add_argument(
         "--config", default=None, metavar="FILE", help="YAML or JSON, nested like the report"
     )

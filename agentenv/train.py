@@ -3,6 +3,13 @@
     run = agentenv.train("Calculator-v0", config=TrainConfig(steps=20))
 
 Each step reads as one pass: ``collect -> algorithm.learn -> log -> (eval) -> (save)``.
+
+Under ``accelerate launch`` (or ``torchrun``) with N processes, each process collects its
+own share of every step's ``batch_size`` tasks (``batch_size`` must be a multiple of N),
+the gradients are reduced across processes inside :meth:`GRPO.learn`, and only the main
+process writes the run directory: config, metrics, episodes, evaluations, plots and
+checkpoints (the others wait for it). The logged rollout statistics are the main
+process's share; the loss, KL and clip metrics are global.
 The run directory holds ``config.json``, ``metrics.jsonl``, TensorBoard events,
 ``episodes/step_N.jsonl``, ``checkpoints/step_N`` (written atomically) and, at the end,
 ``plots/*.png`` and ``eval/{before,after}.json``. ``resume=True`` continues from the
@@ -116,6 +123,12 @@ def task_seeds(seed: int, step: int, n: int) -> list[int]:
     return [rng.randrange(2**31) for _ in range(n)]
 
 
+def task_share(seed: int, step: int, batch_size: int, rank: int = 0, world: int = 1) -> list[int]:
+    """Process ``rank``'s share of step ``step``'s tasks (every ``world``-th one): the
+    shares of ``world`` processes are disjoint and together are the step's tasks."""
+    return task_seeds(seed, step, batch_size)[rank::world]
+
+
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2))
@@ -178,11 +191,20 @@ def train(
     )
     if resume and not (run_dir / "config.json").exists():
         raise InvalidOptionError(f"--resume needs an existing run in {run_dir} (no config.json)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(run_dir / "config.json", config_lib.to_dict(config))  # the effective config
+    world, rank = _processes()
+    if config.batch_size % world:
+        raise InvalidOptionError(
+            f"batch_size={config.batch_size} must be a multiple of the {world} processes "
+            f"(each collects batch_size / {world} tasks a step); set batch_size to "
+            f"{world * -(-config.batch_size // world)}"
+        )
+    main = rank == 0
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / "config.json", config_lib.to_dict(config))  # the effective one
     make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
 
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed + rank)  # each process samples its own episodes
     device = config.device or models.default_device()
     compute = resolve_dtype(config.dtype, device)
     grpo_cfg, rollout, sampling = config.grpo, config.rollout, config.rollout.sampling
@@ -205,12 +227,17 @@ def train(
     if resume and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
         algo.load(ckpt)
         start = algo.step
-    logger = RunLogger(
-        run_dir,
-        resume_step=start if resume else None,
-        tensorboard=config.tensorboard,
-        wandb_project=config.wandb_project,
-        config=config_lib.to_dict(config),
+    acc = algo.accelerator
+    logger = (
+        RunLogger(
+            run_dir,
+            resume_step=start if resume else None,
+            tensorboard=config.tensorboard,
+            wandb_project=config.wandb_project,
+            config=config_lib.to_dict(config),
+        )
+        if main
+        else None
     )
     fmt = ChatFormat(tokenizer)
     policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
@@ -228,20 +255,25 @@ def train(
         return make(config.env_id, split="test", **config.env_kwargs)
 
     def run_eval(label: str):  # noqa: ANN202
-        report = evaluate(test_env, policy, fmt, eval_cfg, label=label, show_progress=False)
-        report.save(run_dir / "eval" / f"{label}.json")
+        """The main process evaluates; the others wait for it."""
+        report = None
+        if main:
+            report = evaluate(test_env, policy, fmt, eval_cfg, label=label, show_progress=False)
+            report.save(run_dir / "eval" / f"{label}.json")
+        acc.wait_for_everyone()
         return report
 
     before = None
     if config.eval_tasks and start == 0:
         before = run_eval("before")
-        logger.log(0, {f"eval/{k}": v for k, v in before.metrics.items()})
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc="train")
+        if main:
+            logger.log(0, {f"eval/{k}": v for k, v in before.metrics.items()})
+    steps = range(start, config.steps)
+    bar = tqdm(steps, initial=start, total=config.steps, desc="train", disable=not main)
     for step in bar:
         t0 = time.perf_counter()
-        groups, metrics = collect(
-            train_env, task_seeds(config.seed, step, config.batch_size), policy, fmt, rollout
-        )
+        seeds = task_share(config.seed, step, config.batch_size, rank, world)
+        groups, metrics = collect(train_env, seeds, policy, fmt, rollout)
         models.release_memory()
         metrics.update(algo.learn(groups))
         models.release_memory()
@@ -253,10 +285,13 @@ def train(
             and done % config.eval_every == 0
             and done < config.steps
         ):
-            metrics.update({f"eval/{k}": v for k, v in run_eval(f"step_{done}").metrics.items()})
+            report = run_eval(f"step_{done}")
+            if main:
+                metrics.update({f"eval/{k}": v for k, v in report.metrics.items()})
         metrics["time/step_s"] = time.perf_counter() - t0
-        logger.log(done, metrics)
-        if config.log_episodes:
+        if main:
+            logger.log(done, metrics)
+        if main and config.log_episodes:
             rewards = torch.tensor([[e.reward for e in g] for g in groups])
             adv = compute_advantages(rewards, grpo_cfg.advantage_norm).flatten().tolist()
             eps = [e for g in groups for e in g]
@@ -264,15 +299,18 @@ def train(
                 done, eps[: config.log_episodes], tokenizer, adv[: config.log_episodes]
             )
         if done % config.save_every == 0 or done == config.steps:
-            algo.save(ckpt_dir / f"step_{done:06d}")
-            _prune(ckpt_dir, config.keep_checkpoints)
+            algo.save(ckpt_dir / f"step_{done:06d}")  # the main process writes, all wait
+            if main:
+                _prune(ckpt_dir, config.keep_checkpoints)
         bar.set_postfix(
             reward=f"{metrics['rewards/mean']:.2f}",
             kl=f"{metrics['kl']:.3g}",
             s_per_step=f"{metrics['time/step_s']:.0f}",
         )
-    if config.eval_tasks:
-        after = run_eval("after")
+    after = run_eval("after") if config.eval_tasks else None
+    if not main:
+        return run_dir
+    if after is not None:
         logger.log(config.steps, {f"eval/{k}": v for k, v in after.metrics.items()})
         before = before or _maybe_load(run_dir / "eval" / "before.json")
         print(format_table([before, after]) if before else format_table([after]))
@@ -280,6 +318,12 @@ def train(
     plots = plot_run(run_dir)
     print(f"run directory: {run_dir}\nplots: {', '.join(str(p) for p in plots)}")
     return run_dir
+
+
+def _processes() -> tuple[int, int]:
+    """``(world size, rank)`` of this run, from the launcher's environment (``accelerate
+    launch`` and ``torchrun`` set WORLD_SIZE / RANK); ``(1, 0)`` for a plain process."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
 def _maybe_load(path: Path) -> Any:
