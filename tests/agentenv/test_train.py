@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from agentenv import config as config_lib
 from agentenv.cli import main
@@ -94,6 +95,29 @@ def test_resume_after_kill_continues_at_the_right_step(tiny_model_dir, tmp_path)
     state = json.loads((latest_checkpoint(out / "checkpoints") / "trainer_state.json").read_text())
     assert state["step"] == 3
     assert task_seeds(0, 2, 2) == task_seeds(0, 2, 2) != task_seeds(0, 1, 2)
+
+
+def test_a_resumed_run_ends_with_the_weights_and_metrics_of_an_uninterrupted_one(
+    tiny_model_dir, tmp_path
+):
+    from safetensors.torch import load_file
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(config=config(tiny_model_dir, whole, steps=3, eval_tasks=0))
+    train(config=config(tiny_model_dir, split, steps=2, eval_tasks=0))
+    train(config=config(tiny_model_dir, split, steps=3, eval_tasks=0), resume=True)
+    a, b = (
+        load_file(r / "checkpoints/step_000003/adapter/adapter_model.safetensors")
+        for r in (whole, split)
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # it did learn something
+    drop = ("time/", "rollout/generate_s", "rollout/env_s", "rollout/total_s", "tokens_per")
+    rows = [
+        [{k: v for k, v in r.items() if not k.startswith(drop)} for r in read_metrics(run)]
+        for run in (whole, split)
+    ]
+    assert rows[0] == rows[1]
 
 
 def test_resume_without_a_run_is_a_clear_error(tiny_model_dir, tmp_path):
@@ -292,3 +316,12 @@ def test_a_users_env_works_from_every_command(tiny_model_dir, tmp_path, capsys):
     assert len(read_metrics(out)) == 1
     assert main(["train", "no_such_module_here:Capitals-v0", *flags]) == 2
     assert "could not import 'no_such_module_here'" in capsys.readouterr().err
+
+
+def test_the_cli_reference_is_up_to_date():
+    from agentenv.cli import reference
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+    assert path.read_text() == reference(), (
+        "docs/cli.md is stale: python -m agentenv.cli reference > docs/cli.md"
+    )
