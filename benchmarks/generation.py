@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from agentenv import models
     from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
-    from algorithms.grpo import LORA_TARGETS
     from algorithms.lora import apply_lora
+    from algorithms.trainer import LORA_TARGETS
 
     args = parse_args(argv)
     model, tokenizer = models.load(args.model)
@@ -150,12 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         runs["agentenv"] = policy_run(default, sampling)
     if "agentenv_lora" in chosen:
         base = copy.deepcopy(model).to(auto)
-        lora = apply_lora(base, 16, 32, 0.0, LORA_TARGETS, args.seed)
+        trained = apply_lora(base, 16, 32, 0.0, LORA_TARGETS, args.seed)
         with torch.no_grad():  # an adapter that has been trained a little
-            for name, p in lora.named_parameters():
+            for name, p in trained.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0.0, 1e-3)
-        runs["agentenv_lora"] = policy_run(TransformersPolicy(lora, tokenizer), sampling)
+        runs["agentenv_lora"] = policy_run(TransformersPolicy(trained, tokenizer), sampling)
     if "agentenv_stop" in chosen:
         runs["agentenv_stop"] = policy_run(default, with_stops)
 
