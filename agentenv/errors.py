@@ -47,12 +47,6 @@ class ToolError(AgentEnvError):
     kind: str = "tool"
 
 
-class ToolParseError(ToolError):
-    """The action contains a malformed tool call (bad JSON, missing name)."""
-
-    kind = "parse"
-
-
 class UnknownToolError(ToolError):
     """The action calls a tool the environment does not offer."""
 
@@ -63,12 +57,6 @@ class ToolArgumentError(ToolError):
     """A tool call has missing, unexpected or mistyped arguments."""
 
     kind = "arguments"
-
-
-class ToolExecutionError(ToolError):
-    """The tool itself raised an exception."""
-
-    kind = "exception"
 
 
 class ToolTimeoutError(ToolError):

@@ -19,8 +19,11 @@ from algorithms.grpo import (
 from algorithms.logprobs import forward_logprobs, selective_log_softmax, token_logprobs
 from algorithms.lora import apply_lora
 from algorithms.sft import SFT, SFTConfig, masked_nll
+from algorithms.trainer import Trainer, TrainerConfig
 
 __all__ = [
+    "Trainer",
+    "TrainerConfig",
     "GRPO",
     "SFT",
     "SFTConfig",

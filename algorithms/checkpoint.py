@@ -1,4 +1,4 @@
-"""Atomic, resumable checkpoints of a :class:`~algorithms.grpo.GRPO` trainer.
+"""Atomic, resumable checkpoints of a :class:`~algorithms.trainer.Trainer` (GRPO, SFT).
 
 A checkpoint is a folder::
 
@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from agentenv.errors import InvalidOptionError
 
 if TYPE_CHECKING:
-    from algorithms.grpo import GRPO
+    from algorithms.trainer import Trainer
 
 MARKER = "checkpoint_complete.json"
 _MUST_MATCH = ("use_lora", "lora_r", "lora_alpha", "lora_target_modules", "lora_layers")
@@ -99,7 +99,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(trainer: GRPO, path: str | Path) -> Path:
+def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
     """Write ``trainer``'s full state to the folder ``path`` atomically; return ``path``.
 
     Only the main process writes; every process waits until the folder is in place.
@@ -171,7 +171,7 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
         )
 
 
-def load_checkpoint(trainer: GRPO, path: str | Path) -> None:
+def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
     """Restore weights, optimizer, scheduler, RNG states and step into ``trainer``.
 
     The trainer must be built like the saved one (same base model, LoRA settings).
@@ -192,7 +192,7 @@ def load_checkpoint(trainer: GRPO, path: str | Path) -> None:
         if state["config"].get(key) != current[key]:
             raise InvalidOptionError(
                 f"checkpoint {path} was saved with {key}={state['config'].get(key)!r}, this "
-                f"trainer has {key}={current[key]!r}; build GRPO with the saved setting"
+                f"trainer has {key}={current[key]!r}; build the trainer with the saved setting"
             )
     model = trainer.unwrapped_model
     if trainer.config.use_lora:

@@ -42,40 +42,22 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from peft import PeftModel
-from transformers import get_scheduler
 
 from agentenv.config import option
 from agentenv.episode import collate
 from agentenv.errors import InvalidOptionError
 from algorithms.logprobs import forward_logprobs, token_logprobs
-from algorithms.lora import apply_lora
-from algorithms.precision import autocast, compute_dtype
+from algorithms.precision import autocast
+from algorithms.trainer import Trainer, TrainerConfig
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
 ADVANTAGE_NORMS = ("mean_std", "mean_only")
-LR_SCHEDULERS = ("constant", "linear", "cosine")
 _CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def default_accelerator(model: torch.nn.Module) -> Accelerator:
-    """An :class:`~accelerate.Accelerator` on the model's device type.
-
-    A model on the CPU gets ``Accelerator(cpu=True)``: under ``torchrun`` / ``accelerate
-    launch`` several CPU processes then train as one (gloo DDP); a plain ``Accelerator()``
-    would treat each as a lone process without a GPU, and would move a CPU model to a GPU
-    if there is one. Mixed precision is not the accelerator's business here (see
-    :mod:`algorithms.precision`).
-    """
-    param = next(model.parameters(), None)
-    return Accelerator(cpu=param is not None and param.device.type == "cpu")
 
 
 class SamplingLike(Protocol):
@@ -94,11 +76,18 @@ class EpisodeLike(Protocol):
 
 
 @dataclass
-class GRPOConfig:
-    """Hyper-parameters of :class:`GRPO`; validated across fields on construction."""
+class GRPOConfig(TrainerConfig):
+    """Hyper-parameters of :class:`GRPO` (with :class:`~algorithms.trainer.TrainerConfig`'s
+    optimisation and LoRA settings); validated across fields on construction."""
 
     learning_rate: float | None = option(
         None, "Peak AdamW LR. None: 5e-5 with LoRA (adapters want a larger LR), 1e-5 full FT."
+    )
+    micro_batch_tokens: int = option(
+        768,
+        "Tokens per forward/backward: sequences x padded length, a group's shared prompt "
+        "counted once. On a CPU 768-1024 is as fast as any and keeps a step near 3 GB "
+        "(larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
     )
     beta: float = option(0.0, "k3 KL coefficient to the reference; 0: no reference at all.")
     epsilon_low: float = option(0.2, "Ratio clip below, 1 - epsilon_low (gspo: 3e-4).")
@@ -114,27 +103,6 @@ class GRPOConfig:
         "mean_std", "mean_std: (r - mean) / (std + eps); mean_only: r - mean (Dr. GRPO's)."
     )
     num_iterations: int = option(1, "Optimizer steps per batch (mu); > 1 reuses it, clipped.")
-    micro_batch_tokens: int = option(
-        768,
-        "Tokens per forward/backward: sequences x padded length, a group's shared prompt "
-        "counted once. On a CPU 768-1024 is as fast as any and keeps a step near 3 GB "
-        "(larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
-    )
-    max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
-    weight_decay: float = option(0.0, "AdamW weight decay.")
-    warmup_steps: int = option(0, "Linear LR warmup, in learn() calls.")
-    lr_scheduler: str = option(
-        "constant", "constant | linear | cosine (to 0 at the trainer's total_steps)."
-    )
-    use_lora: bool = option(True, "Train LoRA adapters (peft); False: full fine-tuning.")
-    lora_r: int = option(16, "LoRA rank.")
-    lora_alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
-    lora_target_modules: list[str] = option(LORA_TARGETS, "Module names that get adapters.")
-    lora_layers: int | None = option(
-        None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
-    )
-    gradient_checkpointing: bool = option(False, "Recompute activations: less memory, slower.")
     max_completion_length: int | None = option(
         None, "dr_grpo's per-sequence denominator; None: the batch's max policy tokens."
     )
@@ -142,29 +110,18 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if self.learning_rate is None:
             self.learning_rate = 5e-5 if self.use_lora else 1e-5
-        choices = {
-            "loss_type": LOSS_TYPES,
-            "advantage_norm": ADVANTAGE_NORMS,
-            "lr_scheduler": LR_SCHEDULERS,
-        }
+        super().__post_init__()
+        choices = {"loss_type": LOSS_TYPES, "advantage_norm": ADVANTAGE_NORMS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InvalidOptionError(
                     f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
                 )
         checks = [
-            (self.learning_rate > 0, "learning_rate", "must be > 0"),
             (self.beta >= 0, "beta", "must be >= 0 (0 disables the KL term)"),
             (0 <= self.epsilon_low < 1, "epsilon_low", "must be in [0, 1)"),
             (self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
             (self.num_iterations >= 1, "num_iterations", "must be >= 1"),
-            (self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1"),
-            (self.max_grad_norm > 0, "max_grad_norm", "must be > 0"),
-            (self.weight_decay >= 0, "weight_decay", "must be >= 0"),
-            (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
-            (self.lora_r >= 1, "lora_r", "must be >= 1"),
-            (0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)"),
-            (bool(self.lora_target_modules), "lora_target_modules", "must name >= 1 module"),
             (
                 self.max_completion_length is None or self.max_completion_length >= 1,
                 "max_completion_length",
@@ -174,19 +131,6 @@ class GRPOConfig:
         for ok, name, rule in checks:
             if not ok:
                 raise InvalidOptionError(f"{name} {rule}, got {getattr(self, name)!r}")
-
-
-def check_schedule(lr_scheduler: str, warmup_steps: int, total_steps: int | None) -> None:
-    """A decaying LR needs the run's length: raise naming the fix if it is missing."""
-    if total_steps is not None and total_steps < max(1, warmup_steps):
-        raise InvalidOptionError(
-            f"total_steps must be >= max(1, warmup_steps={warmup_steps}), got {total_steps}"
-        )
-    if lr_scheduler != "constant" and total_steps is None:
-        raise InvalidOptionError(
-            f"lr_scheduler={lr_scheduler!r} decays over the run's steps, got total_steps=None; "
-            "pass total_steps=<optimizer steps> to the trainer or use lr_scheduler='constant'"
-        )
 
 
 def compute_advantages(
@@ -344,7 +288,7 @@ def _prompt_length(action_mask: Sequence[int]) -> int:
     return next((t for t, m in enumerate(action_mask) if m), len(action_mask))
 
 
-class GRPO:
+class GRPO(Trainer):
     """GRPO trainer: ``GRPO(model, tokenizer, config, sampling=...).learn(groups) -> metrics``.
 
     Values a run owns elsewhere are arguments, not config fields, so that each has one
@@ -372,53 +316,28 @@ class GRPO:
         seed: int = 0,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.config = cfg = config or GRPOConfig()
         self.sampling = sampling or SimpleNamespace(temperature=1.0)
         self.temperature  # noqa: B018 - validated before any work
-        check_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_steps)
-        self.tokenizer = tokenizer
-        self.accelerator = accelerator or default_accelerator(model)
-        self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
-        self.step = 0
+        self.ref_model = None
+        super().__init__(
+            model,
+            tokenizer,
+            config or GRPOConfig(),
+            accelerator,
+            total_steps=total_steps,
+            seed=seed,
+            dtype=dtype,
+        )
+        self.config: GRPOConfig
         pad = tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
-        if cfg.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            if cfg.use_lora:
-                model.enable_input_require_grads()
-        if isinstance(model, PeftModel) and not cfg.use_lora:
-            raise InvalidOptionError(
-                "use_lora=False (full fine-tuning) got a PeftModel; pass use_lora=True to train "
-                "its adapter, or model.merge_and_unload() to fine-tune the merged weights"
-            )
-        self.ref_model = None
-        if cfg.beta > 0 and not cfg.use_lora:
+
+    def _before_adapters(self, model: torch.nn.Module) -> None:
+        """The KL reference with full fine-tuning: a frozen copy of the model as passed in
+        (with LoRA the same model under ``disable_adapter()`` is the reference)."""
+        if self.config.beta > 0 and not self.config.use_lora:
             self.ref_model = copy.deepcopy(model).requires_grad_(False).eval()
             self.ref_model.to(self.accelerator.device)
-        if cfg.use_lora:  # a PeftModel (e.g. from SFT) keeps its adapter, made trainable
-            model = apply_lora(
-                model,
-                cfg.lora_r,
-                cfg.lora_alpha,
-                cfg.lora_dropout,
-                cfg.lora_target_modules,
-                seed,
-                cfg.lora_layers,
-            )
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        name = cfg.lr_scheduler
-        if name == "constant" and cfg.warmup_steps:
-            name = "constant_with_warmup"
-        self.scheduler = get_scheduler(
-            name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps
-        )
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self._params = params
 
     @property
     def temperature(self) -> float:
@@ -430,23 +349,6 @@ class GRPO:
                 "greedy decoding (0) has no log-probs to learn from: set temperature > 0"
             )
         return temperature
-
-    @property
-    def unwrapped_model(self) -> torch.nn.Module:
-        """The policy without distributed wrappers (use it for generation and saving)."""
-        return self.accelerator.unwrap_model(self.model)
-
-    def save(self, path: str | Path) -> Path:
-        """Write a complete checkpoint atomically (see :mod:`algorithms.checkpoint`)."""
-        from algorithms.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, path)
-
-    def load(self, path: str | Path) -> None:
-        """Restore weights, optimizer, scheduler, RNG and step from a checkpoint."""
-        from algorithms.checkpoint import load_checkpoint
-
-        load_checkpoint(self, path)
 
     def _flatten(self, groups: Sequence[Sequence[EpisodeLike]]) -> list[EpisodeLike]:
         episodes = [ep for group in groups for ep in group]

@@ -14,71 +14,43 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from transformers import get_scheduler
 
 from agentenv.config import option
 from agentenv.episode import collate
 from agentenv.errors import InvalidOptionError
-from algorithms.grpo import (
-    LORA_TARGETS,
-    EpisodeLike,
-    default_accelerator,
-    pack_micro_batches,
-)
+from algorithms.grpo import EpisodeLike, pack_micro_batches
 from algorithms.logprobs import token_logprobs
-from algorithms.lora import apply_lora
-from algorithms.precision import autocast, compute_dtype
+from algorithms.precision import autocast
+from algorithms.trainer import Trainer, TrainerConfig, check_schedule
 
 
 @dataclass
-class SFTConfig:
-    """Hyper-parameters of :class:`SFT`."""
+class SFTConfig(TrainerConfig):
+    """Hyper-parameters of :class:`SFT` (with :class:`~algorithms.trainer.TrainerConfig`'s
+    optimisation and LoRA settings)."""
 
-    learning_rate: float = option(2e-4, "Peak AdamW LR (LoRA adapters want a large LR).")
-    epochs: int = option(2, "Passes over the episodes in :meth:`SFT.fit`.")
-    batch_size: int = option(16, "Episodes per optimizer step.")
+    learning_rate: float | None = option(2e-4, "Peak AdamW LR (LoRA adapters want a large LR).")
     micro_batch_tokens: int = option(
         1024,
         "Sequences x padded length per forward/backward. 1024 is fastest and leanest on a "
         "CPU (larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
     )
-    max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
-    weight_decay: float = option(0.0, "AdamW weight decay.")
-    warmup_steps: int = option(0, "Linear LR warmup, in optimizer steps.")
-    lr_scheduler: str = option("constant", "constant | linear | cosine (needs total_steps).")
+    epochs: int = option(2, "Passes over the episodes in :meth:`SFT.fit`.")
+    batch_size: int = option(16, "Episodes per optimizer step.")
     total_steps: int | None = option(None, "Optimizer steps, for linear/cosine decay.")
-    use_lora: bool = option(True, "Train LoRA adapters (peft); False: full fine-tuning.")
-    lora_r: int = option(16, "LoRA rank.")
-    lora_alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
-    lora_target_modules: list[str] = option(LORA_TARGETS, "Module names that get adapters.")
-    lora_layers: int | None = option(
-        None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
-    )
 
     def __post_init__(self) -> None:
-        checks = [
-            ("learning_rate", self.learning_rate > 0),
-            ("epochs", self.epochs >= 1),
-            ("batch_size", self.batch_size >= 1),
-            ("micro_batch_tokens", self.micro_batch_tokens >= 1),
-            ("max_grad_norm", self.max_grad_norm > 0),
-            ("lora_r", self.lora_r >= 1),
-        ]
-        for name, ok in checks:
-            if not ok:
-                raise InvalidOptionError(f"{name} has an invalid value {getattr(self, name)!r}")
-        if self.lr_scheduler not in ("constant", "linear", "cosine"):
-            raise InvalidOptionError(
-                f"lr_scheduler must be constant, linear or cosine, got {self.lr_scheduler!r}"
-            )
-        if self.lr_scheduler != "constant" and self.total_steps is None:
-            raise InvalidOptionError(f"lr_scheduler={self.lr_scheduler!r} needs total_steps")
+        if self.learning_rate is None:
+            self.learning_rate = 2e-4
+        super().__post_init__()
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        check_schedule(self.lr_scheduler, self.warmup_steps, self.total_steps)
 
 
 def masked_nll(logp: torch.Tensor, action_mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
@@ -86,7 +58,7 @@ def masked_nll(logp: torch.Tensor, action_mask: torch.Tensor, num_tokens: float)
     return -(logp * action_mask).sum() / num_tokens
 
 
-class SFT:
+class SFT(Trainer):
     """Masked-NLL fine-tuning: ``SFT(model, tokenizer, config).fit(episodes)``.
 
     Has the attributes :func:`algorithms.checkpoint.save_checkpoint` needs, so SFT
@@ -104,34 +76,17 @@ class SFT:
         seed: int = 0,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.config = cfg = config or SFTConfig()
-        self.seed = seed  # the run's: LoRA init and episode shuffling
-        self.tokenizer = tokenizer
-        self.accelerator = accelerator or default_accelerator(model)
-        self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
-        self.step = 0
-        if cfg.use_lora:
-            model = apply_lora(
-                model,
-                cfg.lora_r,
-                cfg.lora_alpha,
-                cfg.lora_dropout,
-                cfg.lora_target_modules,
-                seed,
-                cfg.lora_layers,
-            )
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
-        self.scheduler = get_scheduler(
-            name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.total_steps
+        config = config or SFTConfig()
+        super().__init__(
+            model,
+            tokenizer,
+            config,
+            accelerator,
+            total_steps=config.total_steps,
+            seed=seed,  # the run's: LoRA init and episode shuffling
+            dtype=dtype,
         )
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self._params = params
-
-    @property
-    def unwrapped_model(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        self.config: SFTConfig
 
     def learn(self, episodes: Sequence[EpisodeLike]) -> dict[str, float]:
         """One optimizer step on ``episodes`` (accumulated over micro-batches)."""
@@ -188,9 +143,3 @@ class SFT:
                     bar.update(1)
                     bar.set_postfix(loss=f"{history[-1]['sft/loss']:.3f}")
         return history
-
-    def save(self, path: str | Path) -> Path:
-        """Write the checkpoint atomically (same layout as GRPO's)."""
-        from algorithms.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, path)

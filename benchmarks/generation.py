@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from agentenv import models
     from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
-    from algorithms.grpo import LORA_TARGETS
     from algorithms.lora import apply_lora
+    from algorithms.trainer import LORA_TARGETS
 
     args = parse_args(argv)
     model, tokenizer = models.load(args.model)

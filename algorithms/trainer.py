@@ -1,0 +1,187 @@
+"""What GRPO and SFT share: optimisation and LoRA settings, model preparation, AdamW, the
+LR schedule, accelerate, and the checkpoint protocol.
+
+``Trainer(model, tokenizer, config, ...)`` prepares a model for training once, the same
+way for every algorithm:
+
+    model -> (gradient checkpointing) -> LoRA adapters (peft) or full fine-tuning
+    -> AdamW over the trainable parameters -> LR schedule -> accelerator.prepare
+
+An algorithm subclasses it and adds its ``learn`` step. ``save`` / ``load`` write and
+restore the whole state atomically (:mod:`algorithms.checkpoint`). Values the run owns
+are arguments, not config fields: ``total_steps`` (the horizon of a decaying LR) and
+``seed`` (LoRA initialisation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from peft import PeftModel
+from transformers import get_scheduler
+
+from agentenv.config import option
+from agentenv.errors import InvalidOptionError
+from algorithms.lora import apply_lora
+from algorithms.precision import compute_dtype
+
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def default_accelerator(model: torch.nn.Module) -> Accelerator:
+    """An :class:`~accelerate.Accelerator` on the model's device type.
+
+    A model on the CPU gets ``Accelerator(cpu=True)``: under ``torchrun`` / ``accelerate
+    launch`` several CPU processes then train as one (gloo DDP); a plain ``Accelerator()``
+    would treat each as a lone process without a GPU, and would move a CPU model to a GPU
+    if there is one. Mixed precision is not the accelerator's business here (see
+    :mod:`algorithms.precision`).
+    """
+    param = next(model.parameters(), None)
+    return Accelerator(cpu=param is not None and param.device.type == "cpu")
+
+
+def check_schedule(lr_scheduler: str, warmup_steps: int, total_steps: int | None) -> None:
+    """A decaying LR needs the run's length: raise naming the fix if it is missing."""
+    if total_steps is not None and total_steps < max(1, warmup_steps):
+        raise InvalidOptionError(
+            f"total_steps must be >= max(1, warmup_steps={warmup_steps}), got {total_steps}"
+        )
+    if lr_scheduler != "constant" and total_steps is None:
+        raise InvalidOptionError(
+            f"lr_scheduler={lr_scheduler!r} decays over the run's steps, got total_steps=None; "
+            "pass total_steps=<optimizer steps> to the trainer or use lr_scheduler='constant'"
+        )
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation and LoRA settings every trainer has (GRPOConfig and SFTConfig extend it)."""
+
+    learning_rate: float | None = option(None, "Peak AdamW LR (each algorithm sets a default).")
+    micro_batch_tokens: int = option(1024, "Tokens per forward/backward (sequences x length).")
+    max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    warmup_steps: int = option(0, "Linear LR warmup, in optimizer steps.")
+    lr_scheduler: str = option(
+        "constant", "constant | linear | cosine (to 0 at the trainer's total_steps)."
+    )
+    use_lora: bool = option(True, "Train LoRA adapters (peft); False: full fine-tuning.")
+    lora_r: int = option(16, "LoRA rank.")
+    lora_alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = option(LORA_TARGETS, "Module names that get adapters.")
+    lora_layers: int | None = option(
+        None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
+    )
+    gradient_checkpointing: bool = option(False, "Recompute activations: less memory, slower.")
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise InvalidOptionError(
+                f"lr_scheduler must be one of {LR_SCHEDULERS}, got {self.lr_scheduler!r}"
+            )
+        checks = [
+            (self.learning_rate is None or self.learning_rate > 0, "learning_rate", "> 0"),
+            (self.micro_batch_tokens >= 1, "micro_batch_tokens", ">= 1"),
+            (self.max_grad_norm > 0, "max_grad_norm", "> 0"),
+            (self.weight_decay >= 0, "weight_decay", ">= 0"),
+            (self.warmup_steps >= 0, "warmup_steps", ">= 0"),
+            (self.lora_r >= 1, "lora_r", ">= 1"),
+            (0 <= self.lora_dropout < 1, "lora_dropout", "in [0, 1)"),
+            (bool(self.lora_target_modules), "lora_target_modules", "naming >= 1 module"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise InvalidOptionError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+
+class Trainer:
+    """A model prepared for training (see the module docstring); subclasses add ``learn``.
+
+    Attributes:
+        model: The trained model as prepared by accelerate (a PeftModel under LoRA).
+        optimizer, scheduler: AdamW over trainable parameters and its LR schedule.
+        step: Number of completed optimizer steps (restored by :meth:`load`).
+        dtype: Compute dtype of every forward (``dtype=`` or the model's weights' dtype;
+            see :mod:`algorithms.precision`).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: TrainerConfig,
+        accelerator: Accelerator | None = None,
+        *,
+        total_steps: int | None = None,
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        cfg = self.config = config
+        check_schedule(cfg.lr_scheduler, cfg.warmup_steps, total_steps)
+        if isinstance(model, PeftModel) and not cfg.use_lora:
+            raise InvalidOptionError(
+                "use_lora=False (full fine-tuning) got a PeftModel; pass use_lora=True to train "
+                "its adapter, or model.merge_and_unload() to fine-tune the merged weights"
+            )
+        self.tokenizer = tokenizer
+        self.accelerator = accelerator or default_accelerator(model)
+        self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
+        self.seed = seed
+        self.step = 0
+        if cfg.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            if cfg.use_lora:
+                model.enable_input_require_grads()
+        self._before_adapters(model)
+        if cfg.use_lora:  # a PeftModel (e.g. from SFT) keeps its adapter, made trainable
+            model = apply_lora(
+                model,
+                cfg.lora_r,
+                cfg.lora_alpha,
+                cfg.lora_dropout,
+                cfg.lora_target_modules,
+                seed,
+                cfg.lora_layers,
+            )
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        name = cfg.lr_scheduler
+        if name == "constant" and cfg.warmup_steps:
+            name = "constant_with_warmup"
+        self.scheduler = get_scheduler(
+            name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps
+        )
+        # the scheduler is not prepared: accelerate would step it once per process
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self._params = params
+
+    def _before_adapters(self, model: torch.nn.Module) -> None:
+        """Hook: see the model as passed in, before any adapter (GRPO's reference copy)."""
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The model without distributed wrappers (use it for generation and saving)."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def save(self, path: str | Path) -> Path:
+        """Write a complete checkpoint atomically (see :mod:`algorithms.checkpoint`)."""
+        from algorithms.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path)
+
+    def load(self, path: str | Path) -> None:
+        """Restore weights, optimizer, scheduler, RNG and step from a checkpoint."""
+        from algorithms.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
