@@ -20,19 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentenv import config as config_lib
 from agentenv.errors import AgentEnvError, InvalidOptionError
 
 QUICKSTART_ENV = {"source": "word_problems", "prompt_style": "compact"}
-
-
-def _json_arg(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg}): {text!r}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -83,7 +74,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from agentenv import config as config_lib
     from agentenv.warmstart import SFTRunConfig, sft
 
     overrides = config_lib.flag_overrides(args, args.config_flags)
@@ -95,7 +85,6 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _train_config(args: argparse.Namespace):  # noqa: ANN202
     """Defaults, then ``--config FILE`` (or a resumed run's config.json), then flags."""
-    from agentenv import config as config_lib
     from agentenv.train import TrainConfig
 
     overrides = config_lib.flag_overrides(args, args.config_flags)
@@ -119,7 +108,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from agentenv import config as config_lib
     from agentenv.evaluate import EvalReport, EvalRunConfig, evaluate, format_table
 
     if args.compare:
@@ -239,7 +227,7 @@ def _env_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
         p.add_argument("env_id", nargs="?" if not positional else None)
     p.add_argument(
         "--env-kwargs",
-        type=_json_arg,
+        type=config_lib.parse_json_object,
         default={},
         help='env constructor arguments as JSON, e.g. \'{"source": "word_problems"}\'',
     )
@@ -272,12 +260,43 @@ def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _settings_command(
+    sub: Any,
+    name: str,
+    defaults: Any,
+    fn: Any,
+    *,
+    help: str,
+    description: str,  # noqa: A002
+) -> argparse.ArgumentParser:
+    """A command whose settings are one config tree: ``ENV_ID``, ``--config FILE`` and a
+    flag per field of ``defaults`` (see :mod:`agentenv.config`)."""
+    p = _command(
+        sub,
+        name,
+        help=help,
+        description=f"{description} Settings: defaults, then --config FILE, then flags; the "
+        "effective config is saved with the results.",
+    )
+    p.add_argument(
+        "env_arg",
+        nargs="?",
+        metavar="ENV_ID",
+        help="the env id (or --env-id); default: --config's, or Calculator-v0; "
+        "MODULE:Name-v0 imports MODULE first",
+    )
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="YAML or JSON, nested like config.json"
+    )
+    p.set_defaults(fn=fn, config_flags=config_lib.add_flags(p, defaults))
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``agentenv`` command."""
     parser = argparse.ArgumentParser(
         prog="agentenv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    from agentenv import config as config_lib
 
     sub = parser.add_subparsers(dest="command", required=True)
     _command(sub, "list", help="list registered environments").set_defaults(fn=_cmd_list)
@@ -290,70 +309,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.set_defaults(fn=_cmd_demo)
 
-    p = _command(
-        sub,
-        "sft",
-        help="supervised warm start on the env's demonstrations",
-        description="Supervised warm start. Settings: defaults, then --config FILE, then "
-        "flags; the effective config is saved as RUN_DIR/config.json.",
-    )
-    p.add_argument(
-        "env_arg",
-        nargs="?",
-        metavar="ENV_ID",
-        help="the env id (or --env-id); default: "
-        "--config's, or Calculator-v0; MODULE:Name-v0 imports MODULE first",
-    )
-    p.add_argument(
-        "--config", default=None, metavar="FILE", help="YAML or JSON, nested like config.json"
-    )
     from agentenv.warmstart import SFTRunConfig
 
-    p.set_defaults(fn=_cmd_sft, config_flags=config_lib.add_flags(p, SFTRunConfig()))
-
-    p = _command(
+    _settings_command(
         sub,
-        "train",
-        help="train with GRPO",
-        description="Train with GRPO. Settings: defaults, then --config FILE, then flags; "
-        "the effective config is saved as RUN_DIR/config.json.",
+        "sft",
+        SFTRunConfig(),
+        _cmd_sft,
+        help="supervised warm start on the env's demonstrations",
+        description="Supervised warm start.",
     )
-    p.add_argument(
-        "env_arg",
-        nargs="?",
-        metavar="ENV_ID",
-        help="the env id (or --env-id); default: "
-        "--config's, or Calculator-v0; MODULE:Name-v0 imports MODULE first",
-    )
-    p.add_argument(
-        "--config", default=None, metavar="FILE", help="YAML or JSON, nested like config.json"
-    )
-    p.add_argument("--resume", action="store_true", help="continue RUN_DIR (--output-dir)")
+
     from agentenv.train import TrainConfig
 
-    p.set_defaults(fn=_cmd_train, config_flags=config_lib.add_flags(p, TrainConfig()))
-
-    p = _command(
+    p = _settings_command(
         sub,
-        "eval",
-        help="evaluate a model on a split",
-        description="Evaluate a model (and adapter) on an env's split: accuracy, pass@k, "
-        "tool use. Settings: defaults, then --config FILE, then flags.",
+        "train",
+        TrainConfig(),
+        _cmd_train,
+        help="train with GRPO",
+        description="Train with GRPO.",
     )
-    p.add_argument(
-        "env_arg",
-        nargs="?",
-        metavar="ENV_ID",
-        help="the env id (or --env-id); default: "
-        "--config's, or Calculator-v0; MODULE:Name-v0 imports MODULE first",
-    )
-    p.add_argument(
-        "--config", default=None, metavar="FILE", help="YAML or JSON, nested like the report"
-    )
-    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None)
+    p.add_argument("--resume", action="store_true", help="continue RUN_DIR (--output-dir)")
+
     from agentenv.evaluate import EvalRunConfig
 
-    p.set_defaults(fn=_cmd_eval, config_flags=config_lib.add_flags(p, EvalRunConfig()))
+    p = _settings_command(
+        sub,
+        "eval",
+        EvalRunConfig(),
+        _cmd_eval,
+        help="evaluate a model on a split",
+        description="Evaluate a model (and adapter) on an env's split: accuracy, pass@k, tool use.",
+    )
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None)
 
     p = _command(sub, "plot", help="redraw RUN_DIR/plots/*.png")
     p.add_argument("run_dir")

@@ -165,7 +165,8 @@ def _leaves(config: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, 
     return out
 
 
-def _parse_json_object(text: str) -> dict:
+def parse_json_object(text: str) -> dict:
+    """An argparse ``type``: a JSON object (``--env-kwargs '{"source": "gsm8k"}'``)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -235,7 +236,7 @@ def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[s
         elif origin is list or base is list:
             kwargs.update(nargs="*", metavar="ITEM")
         elif origin is dict or base is dict:
-            kwargs.update(type=_parse_json_object, metavar="JSON")
+            kwargs.update(type=parse_json_object, metavar="JSON")
         elif base in (int, float, str):
             kwargs.update(type=_converter(base, optional, flags[0]), metavar=base.__name__.upper())
         else:

@@ -296,12 +296,8 @@ class GRPO(Trainer):
     ``temperature`` at every step, so the two cannot disagree), ``total_steps`` the run's
     step count (the horizon of a decaying LR) and ``seed`` the run's seed (LoRA init).
 
-    Attributes:
-        model: The trained model as prepared by accelerate (a PeftModel under LoRA).
-        optimizer, scheduler: AdamW over trainable parameters and its LR schedule.
-        step: Number of completed ``learn()`` calls (restored by :meth:`load`).
-        dtype: Compute dtype of every forward (``dtype=`` or the model's weights' dtype;
-            see :mod:`algorithms.precision`).
+    Model preparation, optimizer, schedule and checkpoints are
+    :class:`~algorithms.trainer.Trainer`'s; ``step`` counts ``learn()`` calls.
     """
 
     def __init__(

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import agentenv
 from agentenv import config as config_lib
 from agentenv.cli import main
 from agentenv.errors import InvalidOptionError
 from agentenv.tracking import read_metrics
 from agentenv.train import TrainConfig, task_seeds, train
 from algorithms.checkpoint import latest_checkpoint
+from envs.calculator import CalculatorEnv
 
 ENV = {"source": "word_problems", "prompt_style": "compact"}
 
@@ -97,19 +99,28 @@ def test_resume_after_kill_continues_at_the_right_step(tiny_model_dir, tmp_path)
     assert task_seeds(0, 2, 2) == task_seeds(0, 2, 2) != task_seeds(0, 1, 2)
 
 
+class CoinCalculator(CalculatorEnv):
+    """One turn; reward = parity of the action's length, so a tiny random model's groups
+    disagree and GRPO has something to learn."""
+
+    def step(self, action):
+        obs, _, _, _, info = super().step(action)
+        return obs, float(len(action) % 2), True, False, info
+
+
 def test_a_resumed_run_ends_with_the_weights_and_metrics_of_an_uninterrupted_one(
     tiny_model_dir, tmp_path
 ):
     from safetensors.torch import load_file
 
+    agentenv.register("CoinCalculator-v0", entry_point=CoinCalculator, override=True)
+    kw = {"env_id": "CoinCalculator-v0", "batch_size": 4, "eval_tasks": 0}
     whole, split = tmp_path / "whole", tmp_path / "split"
-    train(config=config(tiny_model_dir, whole, steps=3, eval_tasks=0))
-    train(config=config(tiny_model_dir, split, steps=2, eval_tasks=0))
-    train(config=config(tiny_model_dir, split, steps=3, eval_tasks=0), resume=True)
-    a, b = (
-        load_file(r / "checkpoints/step_000003/adapter/adapter_model.safetensors")
-        for r in (whole, split)
-    )
+    train(config=config(tiny_model_dir, whole, steps=3, **kw))
+    train(config=config(tiny_model_dir, split, steps=2, **kw))
+    train(config=config(tiny_model_dir, split, steps=3, **kw), resume=True)
+    adapter = "checkpoints/step_000003/adapter/adapter_model.safetensors"
+    a, b = (load_file(run / adapter) for run in (whole, split))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # it did learn something
     drop = ("time/", "rollout/generate_s", "rollout/env_s", "rollout/total_s", "tokens_per")
@@ -117,7 +128,7 @@ def test_a_resumed_run_ends_with_the_weights_and_metrics_of_an_uninterrupted_one
         [{k: v for k, v in r.items() if not k.startswith(drop)} for r in read_metrics(run)]
         for run in (whole, split)
     ]
-    assert rows[0] == rows[1]
+    assert rows[0] == rows[1] and len(rows[0]) == 3
 
 
 def test_resume_without_a_run_is_a_clear_error(tiny_model_dir, tmp_path):
