@@ -73,12 +73,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_sft(args: argparse.Namespace) -> int:
-    from agentenv.warmstart import SFTRunConfig, sft
-
+def _overrides(args: argparse.Namespace) -> dict:
+    """The settings given on the command line: flags, and the positional ENV_ID."""
     overrides = config_lib.flag_overrides(args, args.config_flags)
     if args.env_arg:
         overrides["env_id"] = args.env_arg
+    return overrides
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from agentenv.warmstart import SFTRunConfig, sft
+
+    overrides = _overrides(args)
     sft(config_lib.resolve(SFTRunConfig, args.config, overrides))
     return 0
 
@@ -87,9 +93,7 @@ def _train_config(args: argparse.Namespace):  # noqa: ANN202
     """Defaults, then ``--config FILE`` (or a resumed run's config.json), then flags."""
     from agentenv.train import TrainConfig
 
-    overrides = config_lib.flag_overrides(args, args.config_flags)
-    if args.env_arg:
-        overrides["env_id"] = args.env_arg
+    overrides = _overrides(args)
     file = args.config
     if args.resume and not file:
         if not overrides.get("output_dir"):
@@ -113,9 +117,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.compare:
         print(format_table([EvalReport.load(p) for p in args.compare]))
         return 0
-    overrides = config_lib.flag_overrides(args, args.config_flags)
-    if args.env_arg:
-        overrides["env_id"] = args.env_arg
+    overrides = _overrides(args)
     run = config_lib.resolve(EvalRunConfig, args.config, overrides)
     from agentenv.episode import ChatFormat
     from agentenv.generation import TransformersPolicy

@@ -150,8 +150,10 @@ def load_file(path: str | Path) -> dict[str, Any]:
 # ---- command-line flags ------------------------------------------------------------------
 
 
-def _leaves(config: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any, Any]]:
-    """``(path, dataclasses.Field, type)`` of every non-section field, depth first."""
+def _leaves(
+    config: Any, prefix: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], Any, Any, Any]]:
+    """``(path, dataclasses.Field, type, value)`` of every non-section field, depth first."""
     out = []
     hints = _hints(type(config))
     for f in dataclasses.fields(config):
@@ -161,7 +163,7 @@ def _leaves(config: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, 
         if dataclasses.is_dataclass(value) and _nested(hints[f.name]) is not None:
             out += _leaves(value, (*prefix, f.name))
         else:
-            out.append(((*prefix, f.name), f, hints[f.name]))
+            out.append(((*prefix, f.name), f, hints[f.name], value))
     return out
 
 
@@ -215,7 +217,7 @@ def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[s
     group = parser.add_argument_group(
         f"{type(config).__name__} (every field; also settable in --config FILE)"
     )
-    for path, f, tp in _leaves(config):
+    for path, f, tp, default in _leaves(config):
         name = path[-1]
         if name in seen:
             raise ValueError(
@@ -225,7 +227,6 @@ def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[s
         seen[name] = path
         dest = ".".join(path)
         dests[dest] = path
-        default = getattr(_walk(config, path[:-1]), name)
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
         text = f.metadata.get("help", "")
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
@@ -247,12 +248,6 @@ def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[s
     return dests
 
 
-def _walk(config: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        config = getattr(config, key)
-    return config
-
-
 def flag_overrides(args: argparse.Namespace, dests: dict[str, tuple[str, ...]]) -> dict:
     """The nested dict of the flags actually given (see :func:`add_flags`)."""
     out: dict[str, Any] = {}
@@ -263,6 +258,31 @@ def flag_overrides(args: argparse.Namespace, dests: dict[str, tuple[str, ...]]) 
                 node = node.setdefault(key, {})
             node[path[-1]] = getattr(args, dest)
     return out
+
+
+@dataclasses.dataclass
+class CommandConfig:
+    """What every command's run config has (``TrainConfig``, ``SFTRunConfig`` and
+    ``EvalRunConfig`` extend it): the env, the model, and where and in which dtype it
+    computes. Subclasses' ``__post_init__`` call this one: it turns sections given as
+    dicts into their dataclass and rejects a bad dtype before any model loads."""
+
+    env_id: str = option("Calculator-v0", "Registered environment id (or module:Name-v0).")
+    env_kwargs: dict[str, Any] = option({}, "Constructor arguments of the env (both splits).")
+    model: str = option("smollm2-135m-instruct", "Model alias, Hugging Face id or local path.")
+    device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
+    dtype: str = option(
+        "auto",
+        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and on CPUs with "
+        "native bf16, else float32), float32, bfloat16, float16 (GPU only). Trained weights "
+        "stay float32; a LoRA run keeps its frozen base in this dtype.",
+    )
+
+    def __post_init__(self) -> None:
+        from agentenv.generation import resolve_dtype
+
+        coerce_sections(self)
+        resolve_dtype(self.dtype, self.device or "cpu")
 
 
 def resolve(

@@ -17,8 +17,7 @@ from typing import Any
 import gymnasium as gym
 from tqdm.auto import tqdm
 
-from agentenv import config as config_lib
-from agentenv.config import option
+from agentenv.config import CommandConfig, option
 from agentenv.episode import ChatFormat, Episode
 from agentenv.errors import InvalidOptionError
 from agentenv.generation import PolicyBackend, SamplingConfig
@@ -54,26 +53,15 @@ class EvalConfig:
 
 
 @dataclass
-class EvalRunConfig:
+class EvalRunConfig(CommandConfig):
     """Settings of an ``agentenv eval`` run; ``eval`` is the evaluation's section."""
 
-    env_id: str = option("Calculator-v0", "Registered environment id (or module:Env-v0).")
-    env_kwargs: dict[str, Any] = option({}, "Env constructor arguments.")
-    model: str = option("smollm2-135m-instruct", "Model: alias, HF id or local path.")
     adapter: str | None = option(None, "Checkpoint folder to apply (adapter/ or model/).")
-    device: str | None = option(None, "cpu or cuda (default: cuda if available).")
-    dtype: str = option("auto", "Compute dtype (auto: bf16 where supported).")
     label: str | None = option(None, "Name of the model in the report (default: model+adapter).")
     output: str | None = option(None, "Write the report as JSON to this path.")
     eval: EvalConfig = option(
         EvalConfig(max_turns=3, max_new_tokens=96), "What to evaluate (section)."
     )
-
-    def __post_init__(self) -> None:
-        config_lib.coerce_sections(self)
-        from agentenv.generation import resolve_dtype
-
-        resolve_dtype(self.dtype, self.device or "cpu")  # a bad dtype fails before loading
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -291,7 +291,8 @@ class TransformersPolicy:
         base = self.trained.get_base_model()
         tensors = [*base.parameters(), *base.buffers()]
         shared = {id(t): t for t in tensors if t.dtype == self.dtype and not t.requires_grad}
-        shared |= {id(p): p for n, p in base.named_parameters() if ".lora_" in n}  # not used
+        # adapters: not copied either, their layers are replaced by _LoRALinear below
+        shared |= {id(p): p for n, p in base.named_parameters() if ".lora_" in n}
         model = copy.deepcopy(base, memo=shared)
         lora = {n: m for n, m in base.named_modules() if _is_lora_layer(n, m)}
         for name, layer in lora.items():

@@ -25,6 +25,12 @@ from agentenv.errors import RegistrationError, UnknownEnvError
 NAMESPACE = "agentenv"
 
 
+def env_name(env_id: str) -> str:
+    """``"my_envs.py:agentenv/Capitals-v0"`` -> ``"Capitals-v0"``: the id without its module
+    or namespace (run directories are named after it)."""
+    return env_id.rpartition(":")[2].rpartition("/")[2]
+
+
 def full_id(env_id: str) -> str:
     """``"Calculator-v0"`` -> ``"agentenv/Calculator-v0"``; namespaced ids pass through."""
     if not isinstance(env_id, str) or not env_id:

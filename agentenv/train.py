@@ -33,9 +33,10 @@ import torch
 from tqdm.auto import tqdm
 
 from agentenv import config as config_lib
-from agentenv.config import option
+from agentenv.config import CommandConfig, option
 from agentenv.errors import InvalidOptionError
 from agentenv.generation import SamplingConfig, resolve_dtype
+from agentenv.registration import env_name
 from agentenv.rollout import RolloutConfig
 from algorithms.grpo import GRPOConfig
 
@@ -51,7 +52,7 @@ def _training_rollout() -> RolloutConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(CommandConfig):
     """Everything a training run needs; ``config.json`` in the run directory is this.
 
     Sections own their values: ``rollout`` (G, turns, token budget and its ``sampling``:
@@ -60,9 +61,6 @@ class TrainConfig:
     its fields (``grpo={"beta": 0.04}``); unknown keys are errors.
     """
 
-    env_id: str = option("Calculator-v0", "Registered environment id (or module:Env-v0).")
-    env_kwargs: dict[str, Any] = option({}, "Constructor arguments of the env (both splits).")
-    model: str = option("smollm2-135m-instruct", "Model alias, Hugging Face id or local path.")
     init_from: str | None = option(
         None, "Checkpoint folder (e.g. from `agentenv sft`) to start from."
     )
@@ -74,13 +72,6 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "Most recent checkpoints kept.")
     log_episodes: int = option(8, "Episodes written to episodes/step_N.jsonl per step.")
     output_dir: str | None = option(None, "Run directory (default runs/<env>-<time>).")
-    device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
-    dtype: str = option(
-        "auto",
-        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and on CPUs with "
-        "native bf16, else float32), float32, bfloat16, float16 (GPU only). Trained weights "
-        "stay float32; a LoRA run keeps its frozen base in this dtype.",
-    )
     seed: int = option(0, "Seed of task sampling, generation and LoRA init.")
     tensorboard: bool = option(True, "Write TensorBoard events.")
     wandb_project: str | None = option(None, "Log to this W&B project (needs `pip install wandb`).")
@@ -90,7 +81,7 @@ class TrainConfig:
     grpo: GRPOConfig = option(GRPOConfig(), "GRPO hyper-parameters (section).")
 
     def __post_init__(self) -> None:
-        config_lib.coerce_sections(self)
+        super().__post_init__()
         for name in ("steps", "batch_size", "save_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -106,7 +97,6 @@ class TrainConfig:
                 f"temperature must be > 0 for training (GRPO learns from sampled episodes), "
                 f"got {self.rollout.sampling.temperature}"
             )
-        resolve_dtype(self.dtype, self.device or "cpu")  # a bad dtype fails before loading
 
     @classmethod
     def resolve(
@@ -185,10 +175,8 @@ def train(
     config = dataclasses.replace(
         config, env_id=env_id or config.env_id, model=model or config.model
     )
-    run_dir = Path(
-        config.output_dir
-        or f"runs/{config.env_id.split(':')[-1].split('/')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(config.output_dir or f"runs/{env_name(config.env_id)}-{stamp}")
     if resume and not (run_dir / "config.json").exists():
         raise InvalidOptionError(f"--resume needs an existing run in {run_dir} (no config.json)")
     world, rank = _processes()

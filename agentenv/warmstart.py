@@ -10,36 +10,30 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from agentenv import config as config_lib
-from agentenv.config import option
+from agentenv.config import CommandConfig, option
 from agentenv.errors import InvalidOptionError
 from agentenv.generation import resolve_dtype
+from agentenv.registration import env_name
 from algorithms.sft import SFTConfig
 
 
 @dataclass
-class SFTRunConfig:
+class SFTRunConfig(CommandConfig):
     """Settings of an ``agentenv sft`` run; ``sft`` is the trainer's section (a dict of its
     fields works too, e.g. ``sft={"epochs": 3}``)."""
 
-    env_id: str = option("Calculator-v0", "Registered environment id (or module:Env-v0).")
-    env_kwargs: dict[str, Any] = option({}, "Env constructor arguments.")
-    model: str = option("smollm2-135m-instruct", "Base model: alias, HF id or local path.")
     num_demos: int = option(256, "Train-split tasks demonstrated.")
     output_dir: str | None = option(None, "Run directory (default runs/sft-<env>-<time>).")
-    device: str | None = option(None, "cpu or cuda (default: cuda if available).")
-    dtype: str = option("auto", "Compute dtype (auto: bf16 where supported); see `train`.")
     seed: int = option(0, "Seed of task choice, LoRA init and episode shuffling.")
     max_episode_tokens: int = option(1024, "Token cap per demonstration.")
     sft: SFTConfig = option(SFTConfig(), "SFT hyper-parameters (section).")
 
     def __post_init__(self) -> None:
-        config_lib.coerce_sections(self)
+        super().__post_init__()
         if self.num_demos < 1:
             raise InvalidOptionError(f"num_demos must be >= 1, got {self.num_demos}")
-        resolve_dtype(self.dtype, self.device or "cpu")  # a bad dtype fails before loading
 
 
 def sft(config: SFTRunConfig) -> Path:
@@ -53,8 +47,8 @@ def sft(config: SFTRunConfig) -> Path:
     from agentenv.train import training_dtype
     from algorithms.sft import SFT
 
-    name = config.env_id.split(":")[-1].split("/")[-1]
-    run_dir = Path(config.output_dir or f"runs/sft-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(config.output_dir or f"runs/sft-{env_name(config.env_id)}-{stamp}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config_lib.to_dict(config), indent=2))
     torch.manual_seed(config.seed)
