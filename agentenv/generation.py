@@ -26,6 +26,9 @@ model's forward pass instead of ``model.generate``, because that lets it:
   including the one that completed the stop string.
 * **drop finished rows** from the batch (and their KV cache) at once, so a trajectory
   that ends early stops costing compute.
+* **draw each row from its own seed** when given ``seeds``: a row's tokens then do not
+  depend on the rest of its batch (nor on how many processes split the work).
+* **attend with grouped matmuls** on a CPU in bfloat16 (:mod:`agentenv.attention`).
 
 On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at about 2x the tok/s of plain
 ``generate`` in float32 (``python benchmarks/generation.py``).
@@ -43,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
+from agentenv.attention import register as register_grouped_attention
+from agentenv.attention import wants_grouped
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
 
@@ -95,9 +100,16 @@ class PolicyBackend(Protocol):
     """Anything that continues a batch of token-id prompts."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """One continuation per prompt, in order."""
+        """One continuation per prompt, in order. With ``seeds`` (one per prompt), each
+        row's random draws come from its own seed, so a row's result does not depend on
+        the other rows of the batch (``collect`` passes them when given a ``sample_seed``;
+        a backend that cannot honour them should raise)."""
         ...
 
 
@@ -141,61 +153,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     if kind == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if kind == "cpu" and cpu_supports_bf16() else torch.float32
-
-
-CPU_ATTENTION = "agentenv_cpu_bf16"  # registered with transformers on first use
-
-
-def _grouped_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention as two grouped matmuls, for bfloat16 decoding on a CPU.
-
-    PyTorch's fused CPU attention kernel is about 8x slower in bfloat16 than in float32
-    for a few query tokens over a long KV cache (1.6 ms vs 0.2 ms per layer at batch 8,
-    400 cached tokens, 9 query / 3 KV heads): that alone was half of a decode step. Here
-    each KV head's query group is one matmul against the cache (no repeated KV copies),
-    softmax in float32. Long queries (prefill without a mask) use the fused kernel.
-
-    Shapes: query ``(b, h, q, d)``, key/value ``(b, kv, L, d)``, boolean mask
-    ``(b or 1, 1, q, L)`` (True = attend); returns ``(b, q, h, d)``.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    b, h, q, d = query.shape
-    kv, length = key.shape[1], key.shape[2]
-    if (attention_mask is None and q > 1) or h % kv or b * h * q * length > 2**24:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
-        )
-    g = h // kv  # query heads per KV head; head i reads KV head i // g
-    scores = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2)).float()
-    scores = scores * (scaling if scaling is not None else d**-0.5)  # (b, kv, g*q, L)
-    if attention_mask is not None:
-        scores = scores.view(b, kv, g, q, length)
-        scores = scores.masked_fill(~attention_mask[:, :, None].bool(), float("-inf"))
-        scores = scores.view(b, kv, g * q, length)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # (b, kv, g*q, d)
-    return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
-
-
-@functools.cache
-def _register_cpu_attention() -> str:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(CPU_ATTENTION, _grouped_attention)
-    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
-    return CPU_ATTENTION
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
@@ -344,20 +301,33 @@ class TransformersPolicy:
 
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """One continuation per prompt, in order (see the module docstring)."""
+        """One continuation per prompt, in order (see the module docstring).
+
+        With ``seeds``, row ``i`` draws its tokens from a generator seeded with
+        ``seeds[i]``: the same prompt and seed give the same tokens in any batch (up to
+        float rounding of batched kernels), in one process or split over several.
+        """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InvalidOptionError("generate needs at least one prompt, each non-empty")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InvalidOptionError(
+                f"seeds must give one seed per prompt: {len(seeds)} seeds, {len(prompts)} prompts"
+            )
         self._refresh()
         config = self.model.config
         attention = config._attn_implementation
-        if self.device.type == "cpu" and self.dtype != torch.float32 and attention == "sdpa":
-            config._attn_implementation = _register_cpu_attention()
+        if wants_grouped(self.model, self.dtype):  # see agentenv.attention
+            config._attn_implementation = register_grouped_attention()
         head = self.model.get_output_embeddings()
         hook = head.register_forward_pre_hook(_contiguous_input) if head is not None else None
         try:
-            return self._generate(prompts, sampling)
+            return self._generate(prompts, sampling, seeds)
         finally:
             config._attn_implementation = attention
             if hook is not None:
@@ -438,10 +408,14 @@ class TransformersPolicy:
             self._saved[key] = layers
 
     def _generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        seeds: Sequence[int] | None,
     ) -> list[Generation]:
         model, dev = self.model, self.device
         n = len(prompts)
+        generators = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
         cache, mask, logits, next_pos = self._prefill(prompts)
         warpers = _warpers(sampling)
         stops = set(self.stop_token_ids)
@@ -461,7 +435,8 @@ class TransformersPolicy:
             self._save(cache, j, mask[j], tuple(prompts[i]) + tuple(tokens[i][:-1]))
 
         for step in range(sampling.max_new_tokens):
-            token, logp = _sample(logits, sampling.temperature, warpers)  # (r,), (r,)
+            rngs = None if generators is None else [generators[i] for i in rows]
+            token, logp = _sample(logits, sampling.temperature, warpers, rngs)  # (r,), (r,)
             keep = []
             for j, (t, lp) in enumerate(zip(token.tolist(), logp.tolist(), strict=True)):
                 i = rows[j]
@@ -606,13 +581,17 @@ def _warpers(sampling: SamplingConfig) -> list[Any]:
 
 
 def _sample(
-    logits: torch.Tensor, temperature: float, warpers: list[Any]
+    logits: torch.Tensor,
+    temperature: float,
+    warpers: list[Any],
+    generators: list[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``logits`` (r, V); return it and its log-prob, on the CPU.
 
     The log-prob is taken under the distribution sampled from: logits / temperature, then
     top-k, then top-p, in float32. Greedy decoding (temperature 0) takes the argmax and
-    records its log-prob at temperature 1.
+    records its log-prob at temperature 1. With ``generators`` (CPU, one per row), row
+    ``j`` draws from ``generators[j]`` instead of the global RNG.
     """
     scores = logits.float() / (temperature or 1.0)  # (r, V)
     for warp in warpers:
@@ -620,7 +599,11 @@ def _sample(
     logp = torch.log_softmax(scores, dim=-1)  # (r, V)
     if temperature > 0:  # inverse-CDF draw: torch.multinomial spends ~8 ms/step on CPU RNG
         cdf = logp.double().exp().cumsum(dim=-1)  # (r, V), float64: no drift over the vocab
-        u = 1 - torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device)  # (0, 1]
+        if generators is None:
+            u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device)
+        else:
+            u = torch.cat([torch.rand(1, 1, dtype=torch.float64, generator=g) for g in generators])
+        u = 1 - u.to(cdf.device)  # (r, 1) in (0, 1]
         u = u * cdf[:, -1:]  # first index with cdf >= u > 0: never a zero-probability token
         token = torch.searchsorted(cdf, u).squeeze(1).clamp(max=cdf.shape[1] - 1)  # (r,)
     else:

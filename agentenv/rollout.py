@@ -15,6 +15,7 @@ the sampling config says otherwise, at one of the env's ``stop_strings``.
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,10 +54,16 @@ class _Trajectory:
     builder: EpisodeBuilder
     group: int
     seed: int
+    member: int  # index in its group
     done: bool = False
     reward: float = 0.0
     stop_reason: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def trajectory_seed(sample_seed: int, task_seed: int, member: int, turn: int) -> int:
+    """The sampling seed of one policy turn: a stable hash of its coordinates."""
+    return random.Random(f"{sample_seed}-{task_seed}-{member}-{turn}").getrandbits(63)
 
 
 def collect(
@@ -67,6 +74,7 @@ def collect(
     config: RolloutConfig,
     *,
     options: Sequence[dict[str, Any] | None] | None = None,
+    sample_seed: int | None = None,
 ) -> tuple[list[list[Episode]], dict[str, float]]:
     """Run ``len(seeds)`` groups of ``config.group_size`` episodes.
 
@@ -77,6 +85,10 @@ def collect(
         fmt: Chat format of the policy's tokenizer.
         config: Rollout settings.
         options: Optional reset options per task (e.g. ``{"task_id": i}``).
+        sample_seed: If set, each episode's turns draw their tokens from seeds of
+            ``(sample_seed, task seed, member of the group, turn)``
+            (:func:`trajectory_seed`), so an episode does not depend on which other
+            episodes share its batch or process. None: the policy's global RNG.
 
     Returns:
         The groups (``groups[b]`` has G episodes of task ``b``) and timing metrics:
@@ -86,11 +98,11 @@ def collect(
     options = list(options) if options is not None else [None] * len(seeds)
     trajs: list[_Trajectory] = []
     for b, seed in enumerate(seeds):
-        for _ in range(config.group_size):
+        for member in range(config.group_size):
             env = make_env()
             obs, info = env.reset(seed=seed, options=options[b])
             builder = EpisodeBuilder(fmt, obs, config.max_episode_tokens)
-            trajs.append(_Trajectory(env, builder, b, seed, info=info))
+            trajs.append(_Trajectory(env, builder, b, seed, member, info=info))
     sampling = config.sampling
     if sampling.stop_strings is None:  # the env's own turn-ending strings
         env = trajs[0].env.unwrapped if trajs else None
@@ -112,7 +124,12 @@ def collect(
             turn_sampling = sampling
             if budget < sampling.max_new_tokens:
                 turn_sampling = dataclasses.replace(sampling, max_new_tokens=budget)
-            gens = policy.generate([t.builder.input_ids for t in active], turn_sampling)
+            prompts = [t.builder.input_ids for t in active]
+            if sample_seed is None:
+                gens = policy.generate(prompts, turn_sampling)
+            else:
+                turn_seeds = [trajectory_seed(sample_seed, t.seed, t.member, turn) for t in active]
+                gens = policy.generate(prompts, turn_sampling, seeds=turn_seeds)
             t1 = time.perf_counter()
             for t, g in zip(active, gens, strict=True):
                 t.builder.add_policy(g.token_ids, g.sampler_logprobs, g.text)
@@ -175,7 +192,11 @@ class ScriptedPolicy:
         self.generated: list[list[int]] = []
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        seeds: Sequence[int] | None = None,  # scripted: nothing random
     ) -> list[Generation]:
         out = []
         for prompt in prompts:

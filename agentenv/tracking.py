@@ -105,6 +105,7 @@ class RunLogger:
             for i, e in enumerate(episodes):
                 row = {
                     "group": e.group,
+                    "seed": e.seed,
                     "reward": e.reward,
                     "stop_reason": e.stop_reason,
                     "num_turns": e.num_turns,

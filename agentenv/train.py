@@ -13,8 +13,8 @@ process's share; the loss, KL and clip metrics are global.
 The run directory holds ``config.json``, ``metrics.jsonl``, TensorBoard events,
 ``episodes/step_N.jsonl``, ``checkpoints/step_N`` (written atomically) and, at the end,
 ``plots/*.png`` and ``eval/{before,after}.json``. ``resume=True`` continues from the
-last complete checkpoint; task seeds are a function of ``(seed, step)``, so a resumed
-run sees the same tasks an uninterrupted one would.
+last complete checkpoint; task seeds and sampling seeds are functions of ``(seed, step)``,
+so a resumed run sees the same tasks, and draws the same tokens, as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -113,6 +113,13 @@ def task_seeds(seed: int, step: int, n: int) -> list[int]:
     return [rng.randrange(2**31) for _ in range(n)]
 
 
+def sampling_seed(seed: int, step: int) -> int:
+    """Step ``step``'s sampling seed: with the task seed, group member and turn it seeds each
+    policy turn (:func:`agentenv.rollout.trajectory_seed`), so an episode is the same
+    whichever process collects it and a resumed run samples what an uninterrupted one did."""
+    return random.Random(f"{seed}-{step}-sampling").getrandbits(63)
+
+
 def task_share(seed: int, step: int, batch_size: int, rank: int = 0, world: int = 1) -> list[int]:
     """Process ``rank``'s share of step ``step``'s tasks (every ``world``-th one): the
     shares of ``world`` processes are disjoint and together are the step's tasks."""
@@ -192,7 +199,7 @@ def train(
         _write_json(run_dir / "config.json", config_lib.to_dict(config))  # the effective one
     make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
 
-    torch.manual_seed(config.seed + rank)  # each process samples its own episodes
+    torch.manual_seed(config.seed)  # LoRA init; episodes draw from sampling_seed()
     device = config.device or models.default_device()
     compute = resolve_dtype(config.dtype, device)
     grpo_cfg, rollout, sampling = config.grpo, config.rollout, config.rollout.sampling
@@ -261,7 +268,9 @@ def train(
     for step in bar:
         t0 = time.perf_counter()
         seeds = task_share(config.seed, step, config.batch_size, rank, world)
-        groups, metrics = collect(train_env, seeds, policy, fmt, rollout)
+        groups, metrics = collect(
+            train_env, seeds, policy, fmt, rollout, sample_seed=sampling_seed(config.seed, step)
+        )
         models.release_memory()
         metrics.update(algo.learn(groups))
         models.release_memory()

@@ -6,8 +6,8 @@ gradient of the same size. Here the model runs up to its last hidden layer only;
 head is applied to chunks of at most ``chunk_tokens`` positions, each chunk's
 ``log p(token)`` is taken in float32, and, when gradients are needed, the chunk's logits
 are recomputed in the backward pass (activation checkpointing of the head alone) instead of
-being kept. Only positions from the first policy token on get logits at all
-(``logits_to_keep``): the shared prompt needs none.
+being kept. Only scored positions get logits at all: with an action mask, the policy's
+tokens (the shared prompt and the environment's tokens need none).
 
 Models whose head is not a plain ``nn.Linear`` (a LoRA-adapted head, logit soft-capping
 or scaling) fall back to the model's own logits, still in chunks of sequences.
@@ -87,18 +87,12 @@ def _chunk_logprobs(
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head + log-softmax of one chunk: hidden ``(N, c, H)`` -> log-probs, entropy ``(N, c)``.
-
-    The chunk is a strided slice of the sequence; made contiguous, the head is one matmul.
-    (On a strided 3-D input ``F.linear`` falls back to a batched matmul that copies the
-    ``(H, V)`` weight once per row, forward and backward: about a fifth of the learn time
-    and hundreds of MB for SmolLM2 on a CPU.)
-    """
-    logits = F.linear(hidden.contiguous(), weight, bias).float()  # (N, c, V)
+    """Head + log-softmax of one chunk: hidden ``(c, H)`` -> log-probs, entropy ``(c,)``."""
+    logits = F.linear(hidden, weight, bias).float()  # (c, V)
     if temperature != 1.0:
-        logits = logits / temperature
-    logsumexp = logits.logsumexp(-1)  # (N, c)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp  # (N, c)
+        logits = logits.div_(temperature)  # in place: .float()'s backward keeps nothing
+    logsumexp = logits.logsumexp(-1)  # (c,)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp  # (c,)
     entropy = torch.zeros_like(logsumexp)
     if with_entropy:
         with torch.no_grad():
@@ -165,9 +159,9 @@ def forward_logprobs(
     """One forward: per-token log-probs ``(N, T)`` and, optionally, entropies ``(N, T)``.
 
     Sequences are right-padded; ``logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``
-    at temperature ``temperature``. Position 0 and padding get 0. With ``action_mask``,
-    positions before the first policy token of any row get 0 too (no logits are made for
-    them). Differentiable unless called under ``no_grad``; the entropy never is.
+    at temperature ``temperature``. Position 0 and padding get 0. With ``action_mask``, only
+    policy tokens (mask 1) are scored; every other position gets 0 (no logits are made for
+    it). Differentiable unless called under ``no_grad``; the entropy never is.
 
     With ``share_prefix``, tokens that every row has in common before the first scored
     position (a GRPO group's prompt, or at least the system prompt) run through the model
@@ -180,6 +174,9 @@ def forward_logprobs(
         start = max(1, int(action_mask.any(dim=0).float().argmax()))  # first scored token
     keep = t - start + 1  # positions start-1 .. T-1; the last predicts nothing
     targets = input_ids[:, start:]  # (N, T-start)
+    # scored positions: policy tokens when there is an action mask (environment tokens in
+    # between need no logits), else every real token
+    scored = (action_mask if action_mask is not None else attention_mask)[:, start:].bool()
     head = _plain_head(model)
 
     def run(m: torch.nn.Module) -> torch.Tensor:
@@ -189,20 +186,26 @@ def forward_logprobs(
         logits = run(model)[:, :-1]  # (N, T-start, V)
         if temperature != 1.0:
             logits = logits / temperature
-        logp = selective_log_softmax(logits, targets)
+        logp = selective_log_softmax(logits, targets).masked_fill(~scored, 0.0)
         entropy = None
         if with_entropy:
             with torch.no_grad():
                 logprobs = [torch.log_softmax(row.float(), -1) for row in logits]
                 entropy = torch.stack([-(lp.exp() * lp).sum(-1) for lp in logprobs])
+                entropy = entropy.masked_fill(~scored, 0.0)
     else:
         name, linear = head
         with _hidden_states_out(model, name):
             hidden = run(model)[:, :-1]  # (N, T-start, H)
-        step = max(1, chunk_tokens // n)  # positions per chunk
+        rows_h, rows_t = hidden[scored], targets[scored]  # (P, H), (P,)
         parts = []
-        for s in range(0, hidden.shape[1], step):
-            args = (hidden[:, s : s + step], linear.weight, linear.bias, targets[:, s : s + step])
+        for s in range(0, rows_h.shape[0], chunk_tokens):
+            args = (
+                rows_h[s : s + chunk_tokens],
+                linear.weight,
+                linear.bias,
+                rows_t[s : s + chunk_tokens],
+            )
             if torch.is_grad_enabled():  # keep only the hidden chunk; recompute logits later
                 parts.append(
                     checkpoint(
@@ -211,8 +214,13 @@ def forward_logprobs(
                 )
             else:
                 parts.append(_chunk_logprobs(*args, temperature, with_entropy))
-        logp = torch.cat([p[0] for p in parts], dim=1)  # (N, T-start)
-        entropy = torch.cat([p[1] for p in parts], dim=1) if with_entropy else None
+        zeros = hidden.new_zeros(scored.shape, dtype=torch.float32)  # (N, T-start)
+        if parts:
+            logp = zeros.masked_scatter(scored, torch.cat([p[0] for p in parts]))
+            entropy = zeros.masked_scatter(scored, torch.cat([p[1] for p in parts]))
+        else:  # nothing scored (a padding micro-batch): zeros that still reach every
+            logp = entropy = (hidden[..., 0] * 0.0).float()  # weight, so DDP's backward runs
+        entropy = entropy if with_entropy else None
     logp = F.pad(logp, (start, 0)).masked_fill(attention_mask == 0, 0.0)  # (N, T)
     if entropy is not None:
         entropy = F.pad(entropy.detach(), (start, 0))  # (N, T)

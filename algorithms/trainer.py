@@ -4,8 +4,9 @@ LR schedule, accelerate, and the checkpoint protocol.
 ``Trainer(model, tokenizer, config, ...)`` prepares a model for training once, the same
 way for every algorithm:
 
-    model -> (gradient checkpointing) -> LoRA adapters (peft) or full fine-tuning
-    -> AdamW over the trainable parameters -> LR schedule -> accelerator.prepare
+    model -> (grouped attention on a CPU in bf16) -> (gradient checkpointing)
+    -> LoRA adapters (peft) or full fine-tuning -> AdamW over the trainable parameters
+    -> LR schedule -> accelerator.prepare
 
 An algorithm subclasses it and adds its ``learn`` step. ``save`` / ``load`` write and
 restore the whole state atomically (:mod:`algorithms.checkpoint`). Values the run owns
@@ -24,6 +25,7 @@ from accelerate import Accelerator
 from peft import PeftModel
 from transformers import get_scheduler
 
+from agentenv.attention import use_cpu_bf16_attention
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
 from algorithms.lora import apply_lora
@@ -133,6 +135,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.accelerator = accelerator or default_accelerator(model)
         self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
+        use_cpu_bf16_attention(model, self.dtype)  # the sampler's kernel; 3x faster backward
         self.seed = seed
         self.step = 0
         if cfg.gradient_checkpointing:

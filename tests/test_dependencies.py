@@ -5,7 +5,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_LAYER = {"train", "warmstart", "cli"}  # the training loop and CLI import both sides
-CONTRACTS = {"agentenv.episode", "agentenv.errors", "agentenv.config"}
+CONTRACTS = {"agentenv.episode", "agentenv.errors", "agentenv.config", "agentenv.attention"}
 
 
 def imports(path: Path) -> set[str]:

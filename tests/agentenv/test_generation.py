@@ -93,6 +93,23 @@ def test_shared_prefix_and_batching_do_not_change_results(tiny_model, tokenizer,
         assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=tol)
 
 
+def test_seeded_rows_sample_the_same_alone_or_in_any_batch(tiny_model, tokenizer):
+    ps = prompts(tokenizer)
+    sampling = SamplingConfig(10, temperature=1.0, stop_strings=[])
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    batch = policy.generate(ps, sampling, seeds=[11, 12, 13])
+    torch.manual_seed(123)  # the global RNG plays no part
+    alone = [policy.generate([p], sampling, seeds=[11 + i])[0] for i, p in enumerate(ps)]
+    swapped = policy.generate(ps[::-1], sampling, seeds=[13, 12, 11])[::-1]
+    for a, b, c in zip(batch, alone, swapped, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=1e-5)
+    other = policy.generate(ps, sampling, seeds=[21, 22, 23])
+    assert [g.token_ids for g in other] != [g.token_ids for g in batch]  # the seed matters
+    with pytest.raises(InvalidOptionError, match="one seed per prompt"):
+        policy.generate(ps, sampling, seeds=[1])
+
+
 def test_stop_string_cuts_the_turn_without_changing_earlier_tokens(tiny_model, tokenizer):
     policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
     p = prompts(tokenizer)[:1]

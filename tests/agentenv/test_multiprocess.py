@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from agentenv.train import task_seeds, task_share
 from algorithms.checkpoint import latest_checkpoint
 
@@ -20,7 +22,8 @@ def test_process_shares_are_disjoint_and_cover_the_step():
 
 
 def launch(processes: int, out: Path, model: str, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])  # coin_env
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if processes > 1:
         cmd += ["--multi_gpu", "--num_processes", str(processes)]
@@ -51,3 +54,32 @@ def test_two_processes_split_the_tasks_and_only_the_main_one_writes(tiny_model_d
 
     proc = launch(2, tmp_path / "odd", tiny_model_dir, "--steps", "1", "--batch-size", "3")
     assert proc.returncode != 0 and "multiple of the 2 processes" in proc.stderr
+
+
+def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_dir, tmp_path):
+    """The same 2 steps x 4 tasks, collected by 1 process or split over 2: the same
+    episodes (each turn samples from its own seed) and the same final adapter, up to the
+    float rounding of batched kernels and gloo's all-reduce."""
+    from safetensors.torch import load_file
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    for processes, out in ((1, one), (2, two)):
+        args = ("coin_env:CoinCalculator-v0", "--steps", "2", "--batch-size", "4")
+        proc = launch(processes, out, tiny_model_dir, *args, "--learning-rate", "1e-2")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in (1, 2):  # rank 0 logs its share, tasks 0 and 2 of the step's 4
+        name = f"episodes/step_{step:06d}.jsonl"
+        mine = [json.loads(line) for line in (two / name).read_text().splitlines()]
+        every = [json.loads(line) for line in (one / name).read_text().splitlines()]
+        share = set(task_share(0, step - 1, 4, rank=0, world=2))
+        expected = [e for e in every if e["seed"] in share]
+        assert len(mine) == len(expected) == 4  # 2 tasks x G=2
+        assert [e["input_ids"] for e in mine] == [e["input_ids"] for e in expected]
+        assert [e["reward"] for e in mine] == [e["reward"] for e in expected]
+    adapter = "checkpoints/step_000002/adapter/adapter_model.safetensors"
+    a, b = (load_file(run / adapter) for run in (one, two))
+    assert a.keys() == b.keys()
+    moved = [k for k in a if "lora_B" in k and a[k].abs().sum() > 0]
+    assert moved  # it learned: B starts at zero
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-4)

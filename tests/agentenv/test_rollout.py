@@ -16,8 +16,8 @@ class RecordingPolicy(TransformersPolicy):
         super().__init__(*args, **kwargs)
         self.calls = []
 
-    def generate(self, prompts, sampling):
-        gens = super().generate(prompts, sampling)
+    def generate(self, prompts, sampling, **kwargs):
+        gens = super().generate(prompts, sampling, **kwargs)
         self.calls.append(gens)
         return gens
 

@@ -61,9 +61,10 @@ def test_values_and_gradients_match_a_plain_forward(
         logits = tiny_model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / 0.7
         p = torch.softmax(logits, -1)
         ent = -(p * torch.log_softmax(logits, -1)).sum(-1)
-    torch.testing.assert_close(
-        entropy[:, 41:] * attn[:, 41:], ent[:, 40:] * attn[:, 41:], atol=1e-4, rtol=0
+    torch.testing.assert_close(  # at policy tokens; nothing else is scored
+        entropy[:, 1:], ent * action[:, 1:], atol=1e-4, rtol=0
     )
+    assert (logp[action == 0] == 0).all()
 
 
 def test_shared_prefix_under_bf16_autocast_is_close(tiny_model, tokenizer):
