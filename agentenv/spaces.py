@@ -9,16 +9,25 @@ output. The two spaces here contain what a text environment really exchanges:
   (observations).
 
 Both sample from their own seeded ``np_random`` so ``check_env`` can use them.
+:class:`Messages` also works in gymnasium's ``AsyncVectorEnv`` with shared memory (its
+default): each env's observation travels as JSON in a slot of its own.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
 import string
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from gymnasium import spaces
+from gymnasium.vector.utils import (
+    create_shared_memory,
+    read_from_shared_memory,
+    write_to_shared_memory,
+)
 
 Message = dict[str, str]
 """A chat message: ``{"role": "system" | "user" | "tool" | "assistant", "content": str}``."""
@@ -135,3 +144,68 @@ class Messages(spaces.Space[list[Message]]):
             self.max_messages,
             self.max_content_length,
         ) == (other.roles, other.max_messages, other.max_content_length)
+
+
+# ---- AsyncVectorEnv shared memory ---------------------------------------------------------
+# gymnasium's AsyncVectorEnv (shared_memory=True, the default) has each worker write its
+# observation into shared memory, and reads the batch through a view made once. A message
+# list has no fixed shape, so each env gets a slot of SHARED_MEMORY_BYTES holding its
+# observation as length-prefixed UTF-8 JSON, and the view decodes the slots when read.
+
+SHARED_MEMORY_BYTES = 1 << 20
+"""Bytes of shared memory per env for one :class:`Messages` observation (as JSON)."""
+
+
+class SharedMessages(Sequence[list[Message]]):
+    """The batch of :class:`Messages` observations in shared memory: a read-only sequence
+    that decodes env ``i``'s slot when indexed. ``copy.deepcopy`` (what AsyncVectorEnv
+    returns with its default ``copy=True``) gives a plain tuple of message lists."""
+
+    def __init__(self, buffer: Any, n: int):
+        self._buffer, self._n = buffer, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self._n)))
+        if not -self._n <= index < self._n:
+            raise IndexError(f"env index {index} out of range for {self._n} envs")
+        view = np.frombuffer(self._buffer.get_obj(), dtype=np.uint8)
+        start = (index % self._n) * SHARED_MEMORY_BYTES
+        size = int.from_bytes(view[start : start + 4].tobytes(), "little")
+        return json.loads(view[start + 4 : start + 4 + size].tobytes()) if size else []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> tuple[list[Message], ...]:
+        return tuple(self)
+
+    def __repr__(self) -> str:
+        return f"SharedMessages({list(self)!r})"
+
+
+@create_shared_memory.register(Messages)
+def _create_messages_shared_memory(space: Messages, n: int = 1, ctx: Any = mp) -> Any:
+    return ctx.Array("B", n * SHARED_MEMORY_BYTES)
+
+
+@read_from_shared_memory.register(Messages)
+def _read_messages_shared_memory(space: Messages, shared_memory: Any, n: int = 1) -> Any:
+    return SharedMessages(shared_memory, n)
+
+
+@write_to_shared_memory.register(Messages)
+def _write_messages_shared_memory(
+    space: Messages, index: int, value: list[Message], shared_memory: Any
+) -> None:
+    data = json.dumps(value).encode()
+    if len(data) + 4 > SHARED_MEMORY_BYTES:
+        raise ValueError(
+            f"observation of {len(data)} bytes (as JSON) exceeds the {SHARED_MEMORY_BYTES}-byte "
+            "shared-memory slot of AsyncVectorEnv; make it with "
+            "vector_kwargs={'shared_memory': False}"
+        )
+    view = np.frombuffer(shared_memory.get_obj(), dtype=np.uint8)
+    start = index * SHARED_MEMORY_BYTES
+    view[start : start + 4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+    view[start + 4 : start + 4 + len(data)] = np.frombuffer(data, dtype=np.uint8)

@@ -2,9 +2,10 @@
 
 A checkpoint is a folder::
 
-    adapter/               LoRA: PEFT adapter, ``PeftModel.from_pretrained(base, path / "adapter")``
-    model/                 full fine-tuning: the model in Hugging Face format
-    tokenizer/             the tokenizer, so the folder is self-contained
+    adapter/               LoRA: the PEFT adapter and the tokenizer;
+                           ``AutoPeftModelForCausalLM.from_pretrained(path / "adapter")``
+                           loads it with its base (``base_model_name_or_path``)
+    model/                 full fine-tuning: the model and tokenizer in Hugging Face format
     optimizer.pt           AdamW state
     scheduler.pt           LR scheduler state
     rng_state.pt           python, numpy, torch (and CUDA) RNG states of the main process
@@ -111,8 +112,9 @@ def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
 
         def write(tmp: Path) -> None:
             model = trainer.unwrapped_model
-            model.save_pretrained(tmp / ("adapter" if trainer.config.use_lora else "model"))
-            trainer.tokenizer.save_pretrained(tmp / "tokenizer")
+            weights = tmp / ("adapter" if trainer.config.use_lora else "model")
+            model.save_pretrained(weights)
+            trainer.tokenizer.save_pretrained(weights)  # alongside: loadable on its own
             torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save(_rng_state(), tmp / "rng_state.pt")
