@@ -16,6 +16,8 @@ import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 CPU_BF16_ATTENTION = "agentenv_cpu_bf16"  # registered with transformers on first use
 
@@ -48,18 +50,30 @@ def grouped_attention(
     kv, length = key.shape[1], key.shape[2]
     limit = 2**22 if torch.is_grad_enabled() else 2**24  # 4M scores: 8 MB kept per layer
     if h % kv or b * h * q * length > limit or dropout > 0 or q > length:
+        if attention_mask is not None and attention_mask.shape[-1] < length:  # spare slots
+            key, value = (
+                key[:, :, : attention_mask.shape[-1]],
+                value[:, :, : attention_mask.shape[-1]],
+            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     if attention_mask is None and q > 1:
         attention_mask = torch.ones((q, length), dtype=torch.bool, device=query.device)
         attention_mask = attention_mask.tril(length - q)[None, None]  # (1, 1, q, L)
+    elif attention_mask is not None and attention_mask.shape[-1] < length:
+        # keys from an AppendCacheLayer: its spare slots (zeros) sit after the mask's end
+        attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[-1]))
     g = h // kv  # query heads per KV head; head i reads KV head i // g
     scores = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2))
     scores = scores * (scaling if scaling is not None else d**-0.5)  # (b, kv, g*q, L)
     if attention_mask is not None:
         scores = scores.view(b, kv, g, q, length)
-        scores = scores.masked_fill(~attention_mask[:, :, None].bool(), float("-inf"))
+        # the dtype's lowest value, not -inf: a fully masked row (a left-padding query)
+        # then gets finite, ignored outputs instead of NaNs that would reach the cache
+        scores = scores.masked_fill(
+            ~attention_mask[:, :, None].bool(), torch.finfo(scores.dtype).min
+        )
         scores = scores.view(b, kv, g * q, length)
     probs = torch.softmax(scores, dim=-1)  # float32 inside, the output in the input's dtype
     out = torch.matmul(probs, value)  # (b, kv, g*q, d)
@@ -73,7 +87,12 @@ def register() -> str:
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(CPU_BF16_ATTENTION, grouped_attention)
-    AttentionMaskInterface.register(CPU_BF16_ATTENTION, sdpa_mask)
+
+    def always_a_mask(*args: Any, **kwargs: Any) -> Any:
+        # keys may carry spare slots past the valid ones (AppendCacheLayer): never skip
+        return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+    AttentionMaskInterface.register(CPU_BF16_ATTENTION, always_a_mask)
     return CPU_BF16_ATTENTION
 
 
@@ -98,3 +117,86 @@ def use_cpu_bf16_attention(model: torch.nn.Module, dtype: torch.dtype) -> bool:
         return False
     model.config._attn_implementation = register()
     return True
+
+
+def append_cache(model: torch.nn.Module) -> Any | None:
+    """An empty KV cache whose layers append in place (:class:`AppendCacheLayer`), for a
+    model that uses :func:`grouped_attention` and full attention in every layer; None
+    otherwise (the model then makes its own ``DynamicCache``)."""
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != CPU_BF16_ATTENTION:
+        return None
+    cache = DynamicCache(config=config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None  # sliding windows, linear attention, ...: keep transformers' own
+    cache.layers = [AppendCacheLayer() for _ in cache.layers]
+    return cache
+
+
+class AppendCacheLayer(DynamicLayer):
+    """A full-attention KV cache layer that appends decode steps in place.
+
+    ``DynamicLayer`` concatenates: every decode step copies the whole cache of every
+    layer (memory-bound on a CPU: a sixth of a SmolLM2 decode step at 400 cached
+    tokens). This layer keeps ``SPARE`` free slots after the valid ones and writes
+    new tokens into them. ``update`` returns the whole buffers ``(b, kv, capacity, d)``
+    (contiguous: a matmul over a slice of them is 3x slower), with zeros in the spare
+    slots, which :func:`grouped_attention` masks out; ``keys`` / ``values`` and
+    ``get_seq_length`` see the valid slots only. A first update (a prefill) gets no
+    spare slots, so a mask-less causal prefill never sees them.
+    """
+
+    SPARE = 64
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.length, self._k, self._v = 0, None, None
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:  # DynamicLayer's own methods
+        self._k = None if value is None or value.dim() != 4 else value.contiguous()
+        self.length = 0 if self._k is None else self._k.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._v = None if value is None or value.dim() != 4 else value.contiguous()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, add = self.length, key_states.shape[-2]
+        if self._k is None or n + add > self._k.shape[-2]:
+            capacity = n + add + (self.SPARE if n else 0)
+            k = key_states.new_zeros((*key_states.shape[:2], capacity, key_states.shape[-1]))
+            v = value_states.new_zeros((*value_states.shape[:2], capacity, value_states.shape[-1]))
+            if n:
+                k[:, :, :n], v[:, :, :n] = self._k[:, :, :n], self._v[:, :, :n]
+            self._k, self._v = k, v
+        self._k[:, :, n : n + add] = key_states
+        self._v[:, :, n : n + add] = value_states
+        self.length = n + add
+        return self._k, self._v
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized and self._k is not None else 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._k is not None:
+            self._k = self._k.repeat_interleave(repeats, dim=0)
+            self._v = self._v.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._k is not None:
+            self._k, self._v = self._k[indices], self._v[indices]

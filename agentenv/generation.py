@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
+from agentenv.attention import append_cache, wants_grouped
 from agentenv.attention import register as register_grouped_attention
-from agentenv.attention import wants_grouped
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
 
@@ -355,13 +355,18 @@ class TransformersPolicy:
         cache, done = None, [0] * u  # done[i]: tokens of prompt i already in the cache
         mask = torch.ones((u, 0), dtype=torch.long)
         if any(r is not None for r in reused):
-            cache, mask = _cache_from(reused, self.dtype, dev)
+            cache, mask = _cache_from(reused, append_cache(model))
             done = [0 if r is None else len(r[0]) for r in reused]
         elif self.share_prefix and u > 1:
             prefix = min(_common_prefix(firsts), min(len(p) for p in firsts) - 1)
             if prefix > 0:
                 ids = torch.tensor([list(firsts[0][:prefix])], device=dev)
-                cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+                cache = model(
+                    input_ids=ids,
+                    past_key_values=append_cache(model),
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).past_key_values
                 cache.batch_repeat_interleave(u)
                 mask = torch.ones((u, prefix), dtype=torch.long)
                 done = [prefix] * u
@@ -378,7 +383,7 @@ class TransformersPolicy:
             input_ids=ids.to(dev),
             attention_mask=mask.to(dev),
             position_ids=positions[:, -width:].to(dev),
-            past_key_values=cache,
+            past_key_values=cache if cache is not None else append_cache(model),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -532,20 +537,22 @@ def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[A
 def _plain_layers(cache: Any) -> bool:
     """True for a cache of full-attention ``DynamicLayer`` s (what continuation supports)."""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+    plain = ("DynamicLayer", "AppendCacheLayer")
+    return bool(layers) and all(type(layer).__name__ in plain for layer in layers)
 
 
 def _cache_from(
-    reused: list[tuple[tuple[int, ...], list[Any]] | None], dtype: torch.dtype, device: Any
+    reused: list[tuple[tuple[int, ...], list[Any]] | None], cache: Any | None
 ) -> tuple[Any, torch.Tensor]:
     """A batch cache of saved rows, right-aligned after a masked gap; rows without one
-    are all gap. Returns the cache and its ``(rows, slots)`` attention mask."""
+    are all gap. Fills ``cache`` (an empty one; None: a new ``DynamicCache``). Returns
+    the cache and its ``(rows, slots)`` attention mask."""
     from transformers import DynamicCache
 
     lengths = [0 if r is None else len(r[0]) for r in reused]
     width = max(lengths)
     sample = next(r[1] for r in reused if r is not None)
-    cache = DynamicCache()
+    cache = cache if cache is not None else DynamicCache()
     for layer, (k0, v0) in enumerate(sample):
         keys = k0.new_zeros((len(reused), k0.shape[0], width, k0.shape[2]))
         values = v0.new_zeros((len(reused), v0.shape[0], width, v0.shape[2]))

@@ -1,8 +1,15 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from agentenv.attention import CPU_BF16_ATTENTION, grouped_attention, use_cpu_bf16_attention
+from agentenv.attention import (
+    CPU_BF16_ATTENTION,
+    AppendCacheLayer,
+    grouped_attention,
+    use_cpu_bf16_attention,
+)
 from agentenv.models import tiny_model
 
 
@@ -63,3 +70,59 @@ def test_a_cpu_model_switches_only_for_a_bf16_compute_dtype(tokenizer, dtype, ex
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=expected):
         sdpa = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
     assert (logits.float() - sdpa.float()).abs().max() < 0.1
+
+
+def test_append_cache_decodes_what_a_dynamic_cache_does(tiny_model, tokenizer, monkeypatch):
+    """bf16 sampling with in-place KV appends (small spare room: several regrowths, rows
+    dropped, a continued turn) gives the tokens and log-probs of transformers' cache."""
+    import agentenv.attention as attention
+    from agentenv import generation
+    from agentenv.generation import SamplingConfig, TransformersPolicy
+
+    monkeypatch.setattr(attention.AppendCacheLayer, "SPARE", 3)
+    prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]
+    sampling = SamplingConfig(12, temperature=1.0, stop_strings=[])
+
+    def run(use_append: bool):
+        if not use_append:
+            monkeypatch.setattr(generation, "append_cache", lambda model: None)
+        policy = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16")
+        first = policy.generate(prompts, sampling, seeds=[1, 2, 3])
+        stop = first[0].token_ids[4]  # ends row 0 early the second time: a row is dropped
+        policy.stop_token_ids = [stop]
+        nxt = [p + g.token_ids + [5, 6] for p, g in zip(prompts, first, strict=True)]
+        return first + policy.generate(nxt, sampling, seeds=[4, 5, 6])
+
+    appended, dynamic = run(True), run(False)
+    assert [g.token_ids for g in appended] == [g.token_ids for g in dynamic]
+    for a, b in zip(appended, dynamic, strict=True):
+        assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=1e-2)
+
+
+def test_append_cache_layer_grows_in_place_and_reports_valid_slots():
+    layer = AppendCacheLayer()
+    k = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
+    keys, values = layer.update(k, -k)
+    assert keys.shape[-2] == 3 and layer.get_seq_length() == 3  # a prefill: no spare room
+    keys, _ = layer.update(k[:, :, :1] + 100, -k[:, :, :1])
+    assert keys.shape[-2] == 4 + AppendCacheLayer.SPARE and layer.get_seq_length() == 4
+    assert torch.equal(layer.keys[:, :, :3], k) and (keys[:, :, 4:] == 0).all()
+    buffer = keys.data_ptr()
+    keys, _ = layer.update(k[:, :, :1], k[:, :, :1])
+    assert keys.data_ptr() == buffer and layer.keys.shape[-2] == 5  # written in place
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape == (1, 1, 5, 2) and torch.equal(layer.keys[0, :, :3], k[1])
+
+
+def test_rows_of_different_lengths_without_a_shared_prefix_have_no_nans(tiny_model, tokenizer):
+    """Left-padding queries see no key at all; they must not turn the cache into NaNs."""
+    from agentenv.generation import SamplingConfig, TransformersPolicy
+
+    prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]
+    sampling = SamplingConfig(6, temperature=1.0, stop_strings=[])
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16", share_prefix=False)
+    batch = policy.generate(prompts, sampling, seeds=[1, 2, 3])
+    alone = [policy.generate([p], sampling, seeds=[i + 1])[0] for i, p in enumerate(prompts)]
+    for a, b in zip(batch, alone, strict=True):
+        assert not any(math.isnan(x) for x in a.sampler_logprobs)
+        assert a.token_ids == b.token_ids
