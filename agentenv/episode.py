@@ -13,6 +13,13 @@ Rules (docs/design.md §3):
   closing scaffolding the template puts after an assistant message
   (``<|im_end|>\\n`` for ChatML) is environment text too, minus whatever of it the
   policy sampled itself (normally its end-of-turn token).
+* Templates that re-render history (Qwen3's thinking templates drop the ``<think>``
+  part of earlier assistant turns; others change a turn once it is no longer the last)
+  are not prefix-stable, so the delta is rendered against a fixed base conversation
+  instead (``[system, user] + new``, minus ``[system, user]``), the way SkyRL and verl
+  append observations: earlier turns stay exactly as the policy saw and sampled them,
+  and the episode is the model's token-in/token-out history, not the template's
+  re-render of it.
 * A template without a ``tool`` role still works: :class:`ChatFormat` detects that
   and sends tool results as ``user`` turns.
 """
@@ -33,7 +40,20 @@ OVERFLOW_MARKER = "\n[... truncated to fit the context window ...]"
 
 
 class ChatTemplateError(AgentEnvError):
-    """A chat template cannot be rendered incrementally (its output is not prefix-stable)."""
+    """A chat template cannot render environment messages as an appendable delta."""
+
+
+# Fixed conversations the environment delta is rendered after when the real history
+# re-renders (tried in order; one ending in an assistant turn for templates that require
+# a tool result to follow one).
+_BASES: tuple[list[Message], ...] = (
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+    [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ],
+)
 
 
 class ChatFormat:
@@ -103,19 +123,32 @@ class ChatFormat:
             policy_ids: The policy's last turn exactly as sampled.
         """
         history = self.map_roles(history)
+        new = self.map_roles(new)
         before = self.render(history)
-        after = self.render([*history, *self.map_roles(new)], add_generation_prompt=True)
-        if not after.startswith(before):
-            raise ChatTemplateError(
-                "the chat template renders earlier turns differently once new messages are "
-                "added, so episodes cannot be built incrementally; use a prefix-stable "
-                "template (pass chat_template=...)"
-            )
+        after = self.render([*history, *new], add_generation_prompt=True)
+        delta = after[len(before) :] if after.startswith(before) else self._base_delta(new)
         close = self.assistant_close
         if policy_ids and policy_ids[-1] in self._special_ids:  # the policy ended its own turn
             end = self.tokenizer.decode([policy_ids[-1]], skip_special_tokens=False)
             close = close.removeprefix(end)
-        return self.encode(close + after[len(before) :])
+        return self.encode(close + delta)
+
+    def _base_delta(self, new: list[Message]) -> str:
+        """``new`` and the generation prompt, rendered after a fixed base conversation."""
+        for base in _BASES:
+            try:
+                before = self.render(base)
+                after = self.render([*base, *new], add_generation_prompt=True)
+            except Exception:  # jinja raises on an order the template refuses
+                continue
+            if after.startswith(before):
+                return after[len(before) :]
+        raise ChatTemplateError(
+            "the chat template renders earlier turns differently once new messages are "
+            "added, even after a fixed [system, user] or [system, user, assistant] "
+            f"conversation, so {[m['role'] for m in new]} messages cannot be appended as "
+            "tokens; pass a prefix-stable template with chat_template=..."
+        )
 
 
 @dataclass

@@ -135,3 +135,96 @@ def test_collate_pads_right_and_aligns_masks():
     assert batch["rewards"].dtype == torch.float32
     with pytest.raises(ValueError, match="equal lengths"):
         Episode([1, 2], [0], [0.0, 0.0])
+
+
+def _trl_templates() -> dict[str, str]:
+    """The ChatML-family templates TRL installs (Qwen 2.5 / 3 / 3.5 / 3.6, training variants)."""
+    try:
+        import trl
+    except ImportError:
+        return {}
+    from pathlib import Path
+
+    folder = Path(trl.__file__).parent / "chat_templates"
+    return {
+        p.stem: p.read_text()
+        for p in sorted(folder.glob("qwen*.jinja"))
+        if "_vl" not in p.stem  # vision templates: same text turns, image parts aside
+    }
+
+
+TRL_TEMPLATES = _trl_templates()
+needs_trl = pytest.mark.skipif(
+    not TRL_TEMPLATES, reason="TRL is not installed: its chat templates are the test data"
+)
+
+
+def thinking(prompt: str) -> str:
+    """Think + call, think + nothing (the env answers with a user reminder), think + answer.
+
+    The turn is the number of plans so far.
+    """
+    turn = prompt.count("[plan]")
+    plan = f"<think>\n[plan] step {turn}\n</think>\n\n"
+    if prompt.endswith("<think>\n"):  # the template opened the thinking block itself
+        plan = plan.removeprefix("<think>\n")
+    return plan + [call("6 * 7"), "Hmm.", "<answer>42</answer>"][min(turn, 2)]
+
+
+def faithful(renders: list[str], prompts: list[str], sampled: list[str]) -> bool:
+    """Whether the template renders each earlier turn as the policy saw and sampled it."""
+    return all(
+        later.startswith(prompt + text.removesuffix("<|im_end|>"))
+        for later, prompt, text in zip(renders[1:], prompts, sampled, strict=False)
+    )
+
+
+@needs_trl
+@pytest.mark.parametrize("name", sorted(TRL_TEMPLATES))
+def test_templates_that_re_render_history_still_give_exact_episodes(tokenizer, name):
+    fmt = ChatFormat(tokenizer, chat_template=TRL_TEMPLATES[name])
+    policy = ScriptedPolicy(tokenizer, thinking)
+    config = RolloutConfig(group_size=1, max_turns=5, sampling=SamplingConfig(64))
+    config.show_progress = False
+    groups, _ = collect(lambda: agentenv.make("Calculator-v0"), [0], policy, fmt, config)
+    ep = groups[0][0]
+    spans = ep.policy_spans()
+    assert ep.stop_reason == "terminated" and len(spans) == 3
+    for turn, (start, end) in enumerate(spans):
+        assert ep.input_ids[start:end] == policy.generated[turn]  # exactly as sampled
+        assert f"[plan] step {turn}" in tokenizer.decode(ep.input_ids[start:end])
+    env_ids = [t for t, m in zip(ep.input_ids, ep.action_mask, strict=True) if not m]
+    env_text = tokenizer.decode(env_ids[len(fmt.prompt_ids(ep.messages[:2])) :])
+    assert "[plan]" not in env_text and "No tool call or final answer" in env_text
+    assert "42" in env_text and "<|im_start|>assistant" in env_text
+
+    # Each turn's prompt against the template's own render of the chat so far.
+    assistant_at = [i for i, m in enumerate(ep.messages) if m["role"] == "assistant"]
+    renders = [
+        fmt.render(fmt.map_roles(ep.messages[:i]), add_generation_prompt=True) for i in assistant_at
+    ]
+    prompts = [tokenizer.decode(ep.input_ids[:start]) for start, _ in spans]
+    sampled = [tokenizer.decode(ep.input_ids[start:end]) for start, end in spans]
+    assert prompts[0] == renders[0]  # the opening is always the template's render
+    if faithful(renders, prompts, sampled):
+        assert prompts == renders  # every prompt is exactly what the template renders
+    else:  # the template re-renders history: the episode keeps what the policy saw
+        assert prompts != renders
+        for i in (1, 2):
+            assert prompts[i].startswith(prompts[i - 1] + sampled[i - 1])
+
+
+@needs_trl
+def test_the_trl_templates_include_both_kinds(tokenizer):
+    """The test above runs both branches: some templates re-render history, some do not."""
+    kinds = {}
+    for name, template in TRL_TEMPLATES.items():
+        fmt = ChatFormat(tokenizer, chat_template=template)
+        opening = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        prompt = fmt.render(opening, add_generation_prompt=True)
+        text = thinking(prompt)
+        chat = [*opening, {"role": "assistant", "content": text}, {"role": "user", "content": "r"}]
+        later = fmt.render(chat, add_generation_prompt=True)
+        kinds[name] = faithful([prompt, later], [prompt], [text])
+    assert kinds["qwen2_5"] and kinds["qwen2_5_training"] and kinds["qwen3_instruct_2507"]
+    assert not kinds["qwen3"]  # drops the <think> part of turns before the last user message
