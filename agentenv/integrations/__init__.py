@@ -6,6 +6,9 @@ Each module imports its library on use; install the extra first:
   ``GRPOTrainer`` (``pip install 'agentenv[trl]'``).
 * :mod:`agentenv.integrations.skyrl`: a skyrl-gym ``BaseTextEnv``
   (``pip install 'agentenv[skyrl]'``).
+* :mod:`agentenv.integrations.verifiers`: a verifiers (>= 0.4) taskset, env and harness,
+  loaded by verifiers as the plugin ``agentenv-verifiers``
+  (``pip install 'agentenv[verifiers]'``).
 
 Plain Gymnasium needs no module: ``gymnasium.make("agentenv/Calculator-v0")`` and
 ``gymnasium.make_vec(..., vectorization_mode="sync" | "async")`` work after ``import agentenv``.
