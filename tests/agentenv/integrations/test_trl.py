@@ -5,6 +5,7 @@ memorized.py), so TRL's own loop makes a real tool call into the env and its ans
 scored by the env: the rewards are the env's, not 0 by default.
 """
 
+import copy
 import inspect
 import os
 import re
@@ -175,7 +176,7 @@ def _train_one_step(model, tokenizer, factory, rows, tmp_path):
 
 
 def test_trl_grpo_trainer_runs_a_calculator_step_with_env_tool_calls(tokenizer, tmp_path):
-    tokenizer = tool_chat_template(tokenizer)
+    tokenizer = tool_chat_template(copy.deepcopy(tokenizer))  # the fixture is shared
     factory = environment_factory("Calculator-v0")
     rows = dataset("Calculator-v0", num_tasks=1)
     gold = make("Calculator-v0").unwrapped.get_task(0).answer
@@ -192,7 +193,7 @@ def test_trl_grpo_trainer_runs_a_calculator_step_with_env_tool_calls(tokenizer, 
 
 
 def test_trl_grpo_trainer_runs_a_workspace_step_scored_on_the_files(tokenizer, tmp_path):
-    tokenizer = tool_chat_template(tokenizer)
+    tokenizer = tool_chat_template(copy.deepcopy(tokenizer))  # the fixture is shared
     factory = environment_factory("Workspace-v0", **WORKSPACE)
     rows = dataset("Workspace-v0", num_tasks=1, **WORKSPACE)
     task = rows[0]["prompt"][1]["content"]
