@@ -21,13 +21,24 @@ Design decisions:
   sequence's policy tokens, then over sequences. ``dapo``: sum over policy tokens / their
   number. ``dr_grpo``: sum / (sequences * ``max_completion_length``; default: the batch's
   largest policy-token count).
-* **Advantages**: reward minus group mean; ``mean_std`` divides by the population std
-  (``correction=0``: the normalised group has unit std for any G) plus eps. A group whose
-  rewards are all equal gets exactly zero advantages.
-* **Zero-variance groups** carry no policy gradient. With ``beta == 0`` they are dropped before
-  the forward pass and from every normaliser (DAPO's dynamic-sampling filter without
-  resampling): the update equals that of the batch without them. With ``beta > 0`` they stay,
-  since the KL term still applies.
+* **Advantages**: reward (optionally clipped) minus a baseline: the group's mean (GRPO),
+  its median, or the whole batch's mean (reduced over processes); ``mean_std`` divides by
+  the population std (``correction=0``: the normalised group has unit std for any G) plus
+  eps, the group's or, with the batch mean, the batch's. Under a group baseline a group
+  whose rewards are all equal gets exactly zero advantages.
+* **KL** (``beta > 0``): Schulman's k1 / k2 / k3 estimate per policy token, either in the
+  loss (GRPO's) or subtracted from each sequence's reward, summed over its tokens, before
+  advantages (verl's ``use_kl_in_reward``): that needs the policy's and the reference's
+  log-probs before the update, one extra no-grad forward of each.
+* **cispo** (MiniMax-M1): ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi`` per
+  token, normalised per token like ``dapo``: clipping bounds a token's weight but, unlike
+  PPO's clip, never removes its gradient.
+* **Entropy bonus**: ``- entropy_coef * H`` per policy token, aggregated like the loss; H
+  comes from the same checkpointed logits chunks as the log-probs, with its gradient.
+* **Zero-variance groups** carry no policy gradient under a group baseline. With
+  ``beta == 0`` they are dropped before the forward pass and from every normaliser (DAPO's
+  dynamic-sampling filter without resampling): the update equals that of the batch without
+  them. With ``beta > 0`` they stay, since the KL term still applies.
 * **Reference policy** (``beta > 0`` only): with LoRA the same model under
   ``disable_adapter()``; with full fine-tuning a frozen copy of the model as passed in.
 * **LR schedule** counts ``learn()`` calls; every iteration of one call uses the same LR. The
@@ -55,8 +66,11 @@ from algorithms.logprobs import forward_logprobs, token_logprobs
 from algorithms.precision import autocast
 from algorithms.trainer import Trainer, TrainerConfig
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
 ADVANTAGE_NORMS = ("mean_std", "mean_only")
+ADVANTAGE_BASELINES = ("group_mean", "group_median", "global_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_PLACEMENTS = ("loss", "reward")
 _CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -89,18 +103,47 @@ class GRPOConfig(TrainerConfig):
         "counted once. On a CPU 768-1024 is as fast as any and keeps a step near 3 GB "
         "(larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
     )
-    beta: float = option(0.0, "k3 KL coefficient to the reference; 0: no reference at all.")
+    beta: float = option(0.0, "KL coefficient to the reference; 0: no reference at all.")
+    kl_estimator: str = option(
+        "k3",
+        "k1: log(pi/ref); k2: log(pi/ref)^2 / 2; k3: ref/pi - log(ref/pi) - 1 (unbiased, >= 0; "
+        "Schulman's estimators, per policy token).",
+    )
+    kl_placement: str = option(
+        "loss",
+        "loss: beta * KL per token in the loss (GRPO's); reward: the sequence reward minus "
+        "beta * its summed KL before advantages (verl's use_kl_in_reward; one extra "
+        "no-grad forward of policy and reference per step).",
+    )
     epsilon_low: float = option(0.2, "Ratio clip below, 1 - epsilon_low (gspo: 3e-4).")
     epsilon_high: float = option(
         0.2, "Ratio clip above, 1 + epsilon_high. DAPO clip-higher: 0.28; gspo: 4e-4."
     )
     loss_type: str = option(
         "dapo",
-        "grpo | dr_grpo | dapo | gspo. dapo (TRL's default) normalises per token: every policy "
-        "token weighs the same, so long multi-turn episodes are not down-weighted.",
+        "grpo | dr_grpo | dapo | gspo | cispo. dapo (TRL's default) normalises per token: every "
+        "policy token weighs the same, so long multi-turn episodes are not down-weighted. "
+        "cispo (MiniMax-M1): REINFORCE on every token weighted by its importance ratio "
+        "clipped to [1 - epsilon_low, 1 + epsilon_high] with no gradient through the weight "
+        "(no token is dropped; normalised per token like dapo).",
     )
     advantage_norm: str = option(
-        "mean_std", "mean_std: (r - mean) / (std + eps); mean_only: r - mean (Dr. GRPO's)."
+        "mean_std",
+        "mean_std: (r - baseline) / (std + eps); mean_only: r - baseline (Dr. GRPO's). The std "
+        "is the group's, or the batch's with advantage_baseline=global_mean.",
+    )
+    advantage_baseline: str = option(
+        "group_mean",
+        "group_mean (GRPO) | group_median (robust to an outlier reward) | global_mean (the "
+        "whole batch's mean and std, over processes: all-correct groups still get a signal).",
+    )
+    reward_clip: float | None = option(
+        None, "Clip rewards to [-reward_clip, reward_clip] before advantages; None: no clip."
+    )
+    entropy_coef: float = option(
+        0.0,
+        "Entropy bonus: the loss minus entropy_coef x the policy tokens' entropy, aggregated "
+        "like the loss (computed from the same logits chunks; no second forward).",
     )
     num_iterations: int = option(1, "Optimizer steps per batch (mu); > 1 reuses it, clipped.")
     max_completion_length: int | None = option(
@@ -111,7 +154,13 @@ class GRPOConfig(TrainerConfig):
         if self.learning_rate is None:
             self.learning_rate = 5e-5 if self.use_lora else 1e-5
         super().__post_init__()
-        choices = {"loss_type": LOSS_TYPES, "advantage_norm": ADVANTAGE_NORMS}
+        choices = {
+            "loss_type": LOSS_TYPES,
+            "advantage_norm": ADVANTAGE_NORMS,
+            "advantage_baseline": ADVANTAGE_BASELINES,
+            "kl_estimator": KL_ESTIMATORS,
+            "kl_placement": KL_PLACEMENTS,
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InvalidOptionError(
@@ -122,6 +171,12 @@ class GRPOConfig(TrainerConfig):
             (0 <= self.epsilon_low < 1, "epsilon_low", "must be in [0, 1)"),
             (self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
             (self.num_iterations >= 1, "num_iterations", "must be >= 1"),
+            (self.entropy_coef >= 0, "entropy_coef", "must be >= 0 (0 disables the bonus)"),
+            (
+                self.reward_clip is None or self.reward_clip > 0,
+                "reward_clip",
+                "must be None or > 0",
+            ),
             (
                 self.max_completion_length is None or self.max_completion_length >= 1,
                 "max_completion_length",
@@ -134,23 +189,64 @@ class GRPOConfig(TrainerConfig):
 
 
 def compute_advantages(
-    rewards: torch.Tensor, norm: str = "mean_std", eps: float = 1e-4
+    rewards: torch.Tensor,
+    norm: str = "mean_std",
+    eps: float = 1e-4,
+    *,
+    baseline: str = "group_mean",
+    reward_clip: float | None = None,
+    batch_mean_std: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """Group-relative advantages of rewards ``(B, G)``: one row per group; returns ``(B, G)``.
+    """Advantages of rewards ``(B, G)``: one row per group; returns ``(B, G)``.
 
-    The group mean is subtracted; ``mean_std`` also divides by the population std plus
-    ``eps``. Rows whose rewards are all equal get exactly 0.
+    Rewards are first clipped to ``[-reward_clip, reward_clip]`` (if given). The baseline is
+    subtracted: the group's mean (``group_mean``) or median (``group_median``, the mean of
+    the two middle values for even G), or the whole batch's mean (``global_mean``).
+    ``mean_std`` then divides by the population std plus ``eps``: the group's for group
+    baselines, the batch's for ``global_mean``. With a group baseline, rows whose rewards
+    are all equal get exactly 0. ``batch_mean_std`` gives the batch's mean and std when the
+    batch is spread over processes (default: those of ``rewards``).
     """
-    if rewards.dim() != 2 or norm not in ADVANTAGE_NORMS:
+    if rewards.dim() != 2 or norm not in ADVANTAGE_NORMS or baseline not in ADVANTAGE_BASELINES:
         raise InvalidOptionError(
-            f"expected rewards (B, G) and norm in {ADVANTAGE_NORMS}, got "
-            f"shape {tuple(rewards.shape)} and norm={norm!r}"
+            f"expected rewards (B, G), norm in {ADVANTAGE_NORMS} and baseline in "
+            f"{ADVANTAGE_BASELINES}, got shape {tuple(rewards.shape)}, norm={norm!r}, "
+            f"baseline={baseline!r}"
         )
-    advantages = rewards - rewards.mean(dim=1, keepdim=True)  # (B, G)
+    if reward_clip is not None:
+        rewards = rewards.clamp(-reward_clip, reward_clip)
+    if baseline == "global_mean":
+        if batch_mean_std is None:
+            batch_mean_std = (rewards.mean().item(), rewards.std(correction=0).item())
+        mean, std = batch_mean_std
+        advantages = rewards - mean  # (B, G)
+        if norm == "mean_std":
+            advantages = advantages / (std + eps)
+        return advantages
+    if baseline == "group_median":
+        base = rewards.quantile(0.5, dim=1, keepdim=True)  # (B, 1), interpolated
+    else:
+        base = rewards.mean(dim=1, keepdim=True)  # (B, 1)
+    advantages = rewards - base  # (B, G)
     if norm == "mean_std":
         advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
     zero_std = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (B, 1)
     return advantages.masked_fill(zero_std, 0.0)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from log-probs of the sampled tokens (same shape).
+
+    With ``d = logp - ref_logp``: ``k1 = d``, ``k2 = d^2 / 2``, ``k3 = exp(-d) + d - 1``.
+    """
+    delta = logp - ref_logp
+    if estimator == "k1":
+        return delta
+    if estimator == "k2":
+        return 0.5 * delta.square()
+    if estimator == "k3":
+        return torch.exp(-delta) + delta - 1
+    raise InvalidOptionError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
 def policy_loss(
@@ -161,17 +257,20 @@ def policy_loss(
     config: GRPOConfig,
     ref_logp: torch.Tensor | None = None,
     *,
+    entropy: torch.Tensor | None = None,
     num_tokens: float | None = None,
     num_sequences: float | None = None,
     completion_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss (+ beta * k3 KL) of ``config.loss_type``.
+    """Clipped policy-gradient loss (+ beta * KL - entropy_coef * H) of ``config.loss_type``.
 
     Args:
         logp: Current log-probs ``(N, T)`` (with grad). old_logp, ref_logp: same shape.
         advantages: One advantage per sequence ``(N,)``.
         action_mask: ``(N, T)``, 1 on policy tokens; nothing else gets gradient.
-        config: Supplies loss_type, epsilon_low/high, beta, max_completion_length.
+        config: Supplies loss_type, epsilon_low/high, beta, kl_estimator, entropy_coef,
+            max_completion_length.
+        entropy: Per-token entropy ``(N, T)`` with grad, for ``config.entropy_coef > 0``.
         num_tokens, num_sequences, completion_length: Whole-batch normalisers when this is
             one micro-batch of several (default: this batch's own counts).
 
@@ -190,19 +289,24 @@ def policy_loss(
     ratio = torch.exp(log_ratio)  # (N, T)
     adv = advantages[:, None].to(logp.dtype)  # (N, 1)
     low, high = 1 - config.epsilon_low, 1 + config.epsilon_high
-    pg_loss1 = -adv * ratio  # (N, T)
-    pg_loss2 = -adv * torch.clamp(ratio, low, high)  # (N, T)
-    per_token_loss = torch.maximum(pg_loss1, pg_loss2)  # (N, T)
+    if config.loss_type == "cispo":  # REINFORCE weighted by the clipped, detached ratio
+        weight = torch.clamp(ratio, low, high).detach()  # (N, T)
+        per_token_loss = -adv * weight * logp  # (N, T)
+    else:
+        pg_loss1 = -adv * ratio  # (N, T)
+        pg_loss2 = -adv * torch.clamp(ratio, low, high)  # (N, T)
+        per_token_loss = torch.maximum(pg_loss1, pg_loss2)  # (N, T)
     kl = torch.zeros_like(per_token_loss)
     if ref_logp is not None:
-        ref_delta = ref_logp.masked_fill(~mask, 0.0) - logp  # (N, T)
-        kl = torch.exp(ref_delta) - ref_delta - 1  # k3 estimator, >= 0
+        kl = kl_estimate(logp, ref_logp.masked_fill(~mask, 0.0), config.kl_estimator)  # (N, T)
         per_token_loss = per_token_loss + config.beta * kl
+    if entropy is not None and config.entropy_coef > 0:
+        per_token_loss = per_token_loss - config.entropy_coef * entropy  # (N, T)
     masked_loss = per_token_loss * maskf  # (N, T)
     n_seq = num_sequences if num_sequences is not None else logp.shape[0]
     if config.loss_type in ("grpo", "gspo"):
         loss = (masked_loss.sum(-1) / tokens_per_seq.clamp(min=1)).sum() / n_seq
-    elif config.loss_type == "dapo":
+    elif config.loss_type in ("dapo", "cispo"):
         loss = masked_loss.sum() / (num_tokens or tokens_per_seq.sum().clamp(min=1))
     else:  # dr_grpo
         length = completion_length or config.max_completion_length or tokens_per_seq.max()
@@ -210,8 +314,11 @@ def policy_loss(
 
     with torch.no_grad():
         n = maskf.sum().clamp(min=1)
-        is_low = (ratio < low) & (adv < 0) & mask
-        is_high = (ratio > high) & (adv > 0) & mask
+        if config.loss_type == "cispo":  # the weight is clipped whatever the sign of A
+            is_low, is_high = (ratio < low) & mask, (ratio > high) & mask
+        else:  # the clip only binds where it lowers the objective
+            is_low = (ratio < low) & (adv < 0) & mask
+            is_high = (ratio > high) & (adv > 0) & mask
         metrics = {
             "loss": loss.item(),
             "kl": ((kl * maskf).sum() / n).item(),
@@ -405,15 +512,27 @@ class GRPO(Trainer):
         """
         start, cfg = time.perf_counter(), self.config
         episodes = self._flatten(groups)
+        g = len(groups[0])
         rewards = torch.tensor([[float(ep.reward) for ep in group] for group in groups])  # (B, G)
-        advantages = compute_advantages(rewards, cfg.advantage_norm)  # (B, G)
+        group_baseline = cfg.advantage_baseline != "global_mean"
         zero_std = (rewards == rewards[:, :1]).all(dim=1)  # (B,)
-        keep = [
-            i for i in range(len(episodes)) if cfg.beta > 0 or not zero_std[i // len(groups[0])]
+        keep = [  # zero-variance groups carry no gradient under a group baseline
+            i
+            for i in range(len(episodes))
+            if cfg.beta > 0 or not group_baseline or not zero_std[i // g]
         ]
-        batches, totals = self._micro_batches(
-            episodes, advantages.flatten().tolist(), keep, len(groups[0])
-        )
+        batches, totals, rows = self._micro_batches(episodes, keep, g)
+        kl_stats: dict[str, float] = {}
+        if cfg.beta > 0 and cfg.kl_placement == "reward":
+            penalty, kl_stats = self._kl_penalty(batches, rows, len(episodes))
+            rewards_for_advantages = rewards - cfg.beta * penalty.view_as(rewards)  # (B, G)
+        else:
+            rewards_for_advantages = rewards
+        advantages = self._advantages(rewards_for_advantages)  # (B, G)
+        flat = advantages.flatten()
+        for mb, idx in zip(batches, rows, strict=True):
+            if idx:  # a padding micro-batch keeps its zero advantage
+                mb.advantages = flat[idx].to(mb.advantages)  # (N,)
         lr = self.scheduler.get_last_lr()[0]
         sums = self._optimize(batches, totals) if totals["num_tokens"] > 0 else {}
         with warnings.catch_warnings():  # no optimizer step when every group had zero std
@@ -425,9 +544,12 @@ class GRPO(Trainer):
         metrics = {key: sums.get(key, 0.0) / (tokens * iters) for key in _CLIP_KEYS}
         metrics["loss"] = sums.get("loss", 0.0) / iters
         metrics["entropy"] = sums.get("entropy", 0.0) / tokens
+        if cfg.kl_placement == "reward":  # the loss has no KL term; the pre-pass measured it
+            metrics["kl"] = kl_stats.get("kl", 0.0)
         metrics["sampler/logprob_abs_diff_mean"] = sums.get("sampler_diff", 0.0) / tokens
         metrics["grad_norm"] = sums.get("grad_norm", 0.0) / iters
         metrics.update(self._batch_stats(rewards, advantages, zero_std, episodes))
+        metrics.update(kl_stats)
         metrics["tokens_per_second"] = sums.get("processed", 0.0) / (time.perf_counter() - start)
         metrics["learning_rate"] = lr
         metrics["step"] = float(self.step)
@@ -470,9 +592,13 @@ class GRPO(Trainer):
         }
 
     def _micro_batches(
-        self, episodes: list[EpisodeLike], advantages: list[float], keep: list[int], g: int
-    ) -> tuple[list[MicroBatch], dict[str, float]]:
-        """Pack the kept episodes by token budget; whole-batch normalisers over processes."""
+        self, episodes: list[EpisodeLike], keep: list[int], g: int
+    ) -> tuple[list[MicroBatch], dict[str, float], list[list[int]]]:
+        """Pack the kept episodes by token budget; whole-batch normalisers over processes.
+
+        Returns the micro-batches (advantages still 0), the normalisers, and each
+        micro-batch's episode indices (empty for a padding micro-batch).
+        """
         cfg, device = self.config, self.accelerator.device
         policy_counts = [sum(episodes[i].action_mask) for i in keep]
         num_tokens, num_sequences = self._global([sum(policy_counts), len(keep)], "sum")
@@ -485,14 +611,12 @@ class GRPO(Trainer):
         packs = pack_micro_batches(
             [len(episodes[i].input_ids) for i in keep], cfg.micro_batch_tokens, prompts
         )
+        rows = [[keep[j] for j in pack] for pack in packs]
         batches = [
             MicroBatch.from_episodes(
-                [episodes[keep[j]] for j in pack],
-                [advantages[keep[j]] for j in pack],
-                self.pad_token_id,
-                device,
+                [episodes[i] for i in idx], [0.0] * len(idx), self.pad_token_id, device
             )
-            for pack in packs
+            for idx in rows
         ]
         num_batches = int(self._global([len(batches)], "max")[0])
         if num_batches > len(batches):  # same number of backward calls on every process
@@ -502,15 +626,67 @@ class GRPO(Trainer):
                 sampler_logprobs=[0.0, 0.0],
                 reward=0.0,
             )
-            batches += [MicroBatch.from_episodes([pad], [0.0], self.pad_token_id, device)] * (
-                num_batches - len(batches)
-            )
+            missing = num_batches - len(batches)
+            batches += [MicroBatch.from_episodes([pad], [0.0], self.pad_token_id, device)] * missing
+            rows += [[]] * missing
         totals = {
             "num_tokens": num_tokens,
             "num_sequences": num_sequences,
             "completion_length": length,
         }
-        return batches, totals
+        return batches, totals, rows
+
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """``compute_advantages`` with this config; global_mean's stats over every process."""
+        cfg = self.config
+        batch_mean_std = None
+        if cfg.advantage_baseline == "global_mean":
+            r = rewards.double()
+            if cfg.reward_clip is not None:
+                r = r.clamp(-cfg.reward_clip, cfg.reward_clip)
+            total, squares, n = self._global([r.sum(), r.square().sum(), r.numel()], "sum")
+            mean = total / n
+            batch_mean_std = (mean, max(squares / n - mean**2, 0.0) ** 0.5)
+        return compute_advantages(
+            rewards,
+            cfg.advantage_norm,
+            baseline=cfg.advantage_baseline,
+            reward_clip=cfg.reward_clip,
+            batch_mean_std=batch_mean_std,
+        )
+
+    def _kl_penalty(
+        self, batches: list[MicroBatch], rows: list[list[int]], num_episodes: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Each episode's KL to the reference, summed over its policy tokens: ``(B*G,)``.
+
+        One no-grad forward of the policy (its pre-update weights) and of the reference per
+        micro-batch, before advantages (``kl_placement="reward"``).
+        """
+        penalty = torch.zeros(num_episodes, dtype=torch.float64)
+        kl_sum = tokens = 0.0
+        for mb, idx in zip(batches, rows, strict=True):
+            with torch.no_grad(), autocast(self.accelerator.device, self.dtype):
+                logp = token_logprobs(
+                    self.model,
+                    mb.input_ids,
+                    mb.attention_mask,
+                    self.temperature,
+                    action_mask=mb.action_mask,
+                )
+            ref = self._reference_logprobs(mb)
+            assert ref is not None  # beta > 0
+            maskf = mb.action_mask.float()  # (N, T)
+            kl = kl_estimate(logp.float(), ref.float(), self.config.kl_estimator) * maskf
+            if idx:
+                penalty[idx] = kl.sum(-1).double().cpu()[: len(idx)]
+            kl_sum += kl.sum().item()
+            tokens += maskf.sum().item()
+        kl_sum, tokens, pen_sum, n = self._global(
+            [kl_sum, tokens, penalty.sum().item(), num_episodes], "sum"
+        )
+        stats = {"kl": kl_sum / max(tokens, 1.0), "rewards/kl_penalty_mean": pen_sum / n}
+        return penalty.float(), stats
 
     def _optimize(self, batches: list[MicroBatch], totals: dict[str, float]) -> dict[str, float]:
         """Run ``num_iterations`` accumulated optimizer steps; return global metric sums."""
@@ -520,6 +696,7 @@ class GRPO(Trainer):
         keys = ["loss", *_CLIP_KEYS, "entropy", "sampler_diff", "tokens", "processed"]
         local = dict.fromkeys(keys, 0.0)
         grad_norm = 0.0
+        bonus = cfg.entropy_coef > 0  # the entropy joins the loss: it needs its gradient
         was_training = self.model.training
         self.model.train()
         for iteration in range(cfg.num_iterations):
@@ -534,13 +711,15 @@ class GRPO(Trainer):
                             mb.attention_mask,
                             self.temperature,
                             action_mask=mb.action_mask,
-                            with_entropy=iteration == 0,
+                            with_entropy=iteration == 0 or bonus,
+                            entropy_grad=bonus,
                         )
                     maskf = mb.action_mask.float()  # (N, T)
                     if iteration == 0:  # pre-update weights: this *is* the old policy
                         old_logps.append(logp.detach())
-                        ref_logps.append(self._reference_logprobs(mb))
-                        local["entropy"] += (entropy * maskf).sum().item()
+                        in_loss = cfg.kl_placement == "loss"
+                        ref_logps.append(self._reference_logprobs(mb) if in_loss else None)
+                        local["entropy"] += (entropy.detach() * maskf).sum().item()
                         diff = (logp.detach() - mb.sampler_logprobs).abs()  # (N, T)
                         local["sampler_diff"] += (diff * maskf).sum().item()
                         local["tokens"] += maskf.sum().item()
@@ -551,6 +730,7 @@ class GRPO(Trainer):
                         mb.action_mask,
                         cfg,
                         ref_logps[j],
+                        entropy=entropy if bonus else None,
                         **totals,
                     )
                     acc.backward(loss * acc.num_processes)  # DDP averages; we want the sum

@@ -86,6 +86,7 @@ def _chunk_logprobs(
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Head + log-softmax of one chunk: hidden ``(c, H)`` -> log-probs, entropy ``(c,)``."""
     logits = F.linear(hidden, weight, bias).float()  # (c, V)
@@ -95,9 +96,9 @@ def _chunk_logprobs(
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp  # (c,)
     entropy = torch.zeros_like(logsumexp)
     if with_entropy:
-        with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            entropy = logsumexp.detach() - (probs * logits.detach()).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs = torch.softmax(logits, dim=-1)  # H = logsumexp - sum p * logits
+            entropy = logsumexp - (probs * logits).sum(-1)
     return logp, entropy
 
 
@@ -153,6 +154,7 @@ def forward_logprobs(
     *,
     action_mask: torch.Tensor | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     chunk_tokens: int = CHUNK_TOKENS,
     share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -161,7 +163,8 @@ def forward_logprobs(
     Sequences are right-padded; ``logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``
     at temperature ``temperature``. Position 0 and padding get 0. With ``action_mask``, only
     policy tokens (mask 1) are scored; every other position gets 0 (no logits are made for
-    it). Differentiable unless called under ``no_grad``; the entropy never is.
+    it). Differentiable unless called under ``no_grad``; the entropy only with
+    ``entropy_grad`` (an entropy bonus), from the same logits chunks (no second forward).
 
     With ``share_prefix``, tokens that every row has in common before the first scored
     position (a GRPO group's prompt, or at least the system prompt) run through the model
@@ -189,7 +192,7 @@ def forward_logprobs(
         logp = selective_log_softmax(logits, targets).masked_fill(~scored, 0.0)
         entropy = None
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 logprobs = [torch.log_softmax(row.float(), -1) for row in logits]
                 entropy = torch.stack([-(lp.exp() * lp).sum(-1) for lp in logprobs])
                 entropy = entropy.masked_fill(~scored, 0.0)
@@ -209,7 +212,12 @@ def forward_logprobs(
             if torch.is_grad_enabled():  # keep only the hidden chunk; recompute logits later
                 parts.append(
                     checkpoint(
-                        _chunk_logprobs, *args, temperature, with_entropy, use_reentrant=False
+                        _chunk_logprobs,
+                        *args,
+                        temperature,
+                        with_entropy,
+                        entropy_grad,
+                        use_reentrant=False,
                     )
                 )
             else:
@@ -223,7 +231,7 @@ def forward_logprobs(
         entropy = entropy if with_entropy else None
     logp = F.pad(logp, (start, 0)).masked_fill(attention_mask == 0, 0.0)  # (N, T)
     if entropy is not None:
-        entropy = F.pad(entropy.detach(), (start, 0))  # (N, T)
+        entropy = F.pad(entropy if entropy_grad else entropy.detach(), (start, 0))  # (N, T)
     return logp, entropy
 
 

@@ -325,3 +325,37 @@ def test_the_cli_reference_is_up_to_date():
     assert path.read_text() == reference(), (
         "docs/cli.md is stale: python -m agentenv.cli reference > docs/cli.md"
     )
+
+
+@pytest.mark.parametrize(
+    "flags, metric",
+    [
+        (["--advantage-baseline", "group_median"], "advantages/std"),
+        (
+            ["--advantage-baseline", "global_mean", "--advantage-norm", "mean_only"],
+            "advantages/std",
+        ),
+        (["--reward-clip", "0.5"], "rewards/mean"),
+        (["--entropy-coef", "0.01"], "entropy"),
+        (
+            ["--loss-type", "cispo", "--epsilon-low", "0.9", "--epsilon-high", "4"],
+            "clip_ratio/high_mean",
+        ),
+        (["--beta", "0.1", "--kl-estimator", "k2"], "kl"),
+        (["--beta", "0.1", "--kl-placement", "reward"], "rewards/kl_penalty_mean"),
+    ],
+    ids=["median", "global", "clip", "entropy", "cispo", "k2", "kl-reward"],
+)
+def test_each_grpo_option_runs_from_the_cli_and_logs_its_metric(
+    tiny_model_dir, tmp_path, flags, metric
+):
+    out = tmp_path / "run"
+    common = ["--model", tiny_model_dir, "--steps", "1", "--batch-size", "1", "--group-size", "2"]
+    common += ["--max-new-tokens", "4", "--eval-tasks", "0", "--output-dir", str(out)]
+    assert main(["train", "Calculator-v0", *common, *flags]) == 0
+    saved = json.loads((out / "config.json").read_text())["grpo"]
+    for name, value in zip(flags[::2], flags[1::2], strict=True):
+        saved_value = saved[name.removeprefix("--").replace("-", "_")]
+        assert saved_value == (value if isinstance(saved_value, str) else float(value))
+    (row,) = read_metrics(out)
+    assert metric in row and row[metric] == row[metric]  # logged and not NaN

@@ -16,12 +16,13 @@ from algorithms.grpo import (
     GRPOConfig,
     MicroBatch,
     compute_advantages,
+    kl_estimate,
     pack_micro_batches,
     policy_loss,
 )
 from algorithms.logprobs import selective_log_softmax, token_logprobs
 
-LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "gspo"]
+LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 METRIC_KEYS = {
     "loss",
     "kl",
@@ -42,6 +43,7 @@ METRIC_KEYS = {
     "step",
     "sampler/logprob_abs_diff_mean",
 }
+KL_REWARD_KEYS = {"rewards/kl_penalty_mean"}
 
 
 # peft 0.21 reads a property transformers 5.23 deprecated; nothing for us to act on
@@ -114,11 +116,34 @@ def test_zero_variance_group_gets_exactly_zero(norm):
     assert (advantages[2] != 0).all()
 
 
+def test_median_and_global_baselines_and_reward_clip_by_hand():
+    rewards = torch.tensor([[0.0, 1.0, 2.0, 7.0], [1.0, 1.0, 1.0, 1.0]])
+    # median of (0, 1, 2, 7) = (1 + 2) / 2 = 1.5; the zero-variance group gets 0
+    median = compute_advantages(rewards, "mean_only", baseline="group_median")
+    torch.testing.assert_close(median, torch.tensor([[-1.5, -0.5, 0.5, 5.5], [0.0] * 4]))
+    std0 = math.sqrt(((0 - 2.5) ** 2 + (1 - 2.5) ** 2 + (2 - 2.5) ** 2 + (7 - 2.5) ** 2) / 4)
+    scaled = compute_advantages(rewards, "mean_std", baseline="group_median")
+    torch.testing.assert_close(scaled[0], torch.tensor([-1.5, -0.5, 0.5, 5.5]) / (std0 + 1e-4))
+    # global mean of all 8 rewards: 14 / 8 = 1.75; every group keeps a signal
+    flat = compute_advantages(rewards, "mean_only", baseline="global_mean")
+    torch.testing.assert_close(flat, rewards - 1.75)
+    var = (0 + 1 + 4 + 49 + 4) / 8 - 1.75**2  # E[r^2] - mean^2 = 4.1875
+    scaled = compute_advantages(rewards, "mean_std", baseline="global_mean")
+    torch.testing.assert_close(scaled, (rewards - 1.75) / (math.sqrt(var) + 1e-4))
+    given = compute_advantages(rewards, "mean_std", baseline="global_mean", batch_mean_std=(1, 2))
+    torch.testing.assert_close(given, (rewards - 1) / (2 + 1e-4))
+    # clip to [-1, 1] first: (0, 1, 1, 1), mean 0.75
+    clipped = compute_advantages(rewards, "mean_only", reward_clip=1.0)
+    torch.testing.assert_close(clipped[0], torch.tensor([-0.75, 0.25, 0.25, 0.25]))
+
+
 def test_advantages_reject_bad_input():
     with pytest.raises(InvalidOptionError, match="norm='median'"):
         compute_advantages(torch.zeros(2, 3), "median")
     with pytest.raises(InvalidOptionError, match=r"shape \(6,\)"):
         compute_advantages(torch.zeros(6))
+    with pytest.raises(InvalidOptionError, match="baseline='mode'"):
+        compute_advantages(torch.zeros(2, 3), baseline="mode")
 
 
 # ---------------------------------------------------------------- config
@@ -247,6 +272,60 @@ def test_policy_loss_kl_k3_by_hand():
     loss, metrics = policy_loss(logp, old, advantages, mask, cfg, ref)
     assert loss.item() == pytest.approx((4.5 + 0.1 * k3) / 5, abs=1e-6)
     assert metrics["kl"] == pytest.approx(k3 / 5, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [  # d = logp - ref: -log 2 at seq 0 t=1, +1 at seq 1 t=3, 0 elsewhere
+        ("k1", -math.log(2) + 1),
+        ("k2", 0.5 * math.log(2) ** 2 + 0.5),
+        ("k3", (1 - math.log(2)) + math.exp(-1)),  # exp(-d) + d - 1
+    ],
+)
+def test_kl_estimators_by_hand(estimator, expected):
+    logp, old, advantages, mask = toy_batch()
+    ref = logp.detach().clone()
+    ref[0, 1] += math.log(2.0)
+    ref[1, 3] -= 1.0
+    ref[0, 0] += 50.0  # a mask-0 position: must not count
+    cfg = GRPOConfig(loss_type="dapo", beta=0.1, kl_estimator=estimator)
+    loss, metrics = policy_loss(logp, old, advantages, mask, cfg, ref)
+    assert loss.item() == pytest.approx((4.5 + 0.1 * expected) / 5, abs=1e-6)
+    assert metrics["kl"] == pytest.approx(expected / 5, abs=1e-6)
+    d = torch.tensor([-math.log(2), 1.0])
+    values = kl_estimate(d, torch.zeros(2), estimator)
+    assert values.sum().item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_policy_loss_cispo_by_hand_and_its_gradient():
+    logp, old, advantages, mask = toy_batch()
+    loss, metrics = policy_loss(logp, old, advantages, mask, GRPOConfig(loss_type="cispo"))
+    # weights clip(r, 0.8, 1.2), no gradient through them: seq 0 (A=+1) r=1.5, 0.5 -> 1.2, 0.8;
+    # seq 1 (A=-2) r=1.0, 1.3, 0.5 -> 1.0, 1.2, 0.8. Token loss -A * w * logp, / 5 tokens.
+    weights = torch.tensor([[0, 1.2, 0.8, 0], [0, 1.0, 1.2, 0.8]])
+    adv = torch.tensor([[1.0], [-2.0]])
+    expected = (-adv * weights * logp.detach() * mask).sum() / 5
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    loss.backward()
+    # every token keeps a gradient, even the clipped ones: -A * w / 5
+    torch.testing.assert_close(logp.grad, -adv * weights * mask / 5)
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(2 / 5)  # r = 1.5 and 1.3
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(2 / 5)  # r = 0.5 twice
+
+
+def test_entropy_bonus_by_hand():
+    logp, old, advantages, mask = toy_batch()
+    entropy = torch.tensor([[9.0, 1, 2, 9], [9, 3, 4, 5]], requires_grad=True)
+    cfg = GRPOConfig(loss_type="dapo", entropy_coef=0.1)
+    loss, _ = policy_loss(logp, old, advantages, mask, cfg, entropy=entropy)
+    assert loss.item() == pytest.approx((4.5 - 0.1 * 15) / 5, abs=1e-6)  # policy tokens: 15
+    loss.backward()
+    torch.testing.assert_close(entropy.grad, -0.1 * mask.float() / 5)  # mask-0: no gradient
+    grpo = GRPOConfig(loss_type="grpo", entropy_coef=0.1)  # aggregated like the loss
+    loss, _ = policy_loss(logp, old, advantages, mask, grpo, entropy=entropy.detach())
+    seq0, seq1 = [-1.2, -0.5], [2.0, 2.6, 1.6]
+    base = (sum(seq0) / 2 + sum(seq1) / 3) / 2
+    assert loss.item() == pytest.approx(base - 0.1 * ((1 + 2) / 2 + (3 + 4 + 5) / 3) / 2)
 
 
 def test_clipping_engages_and_blocks_the_gradient():
@@ -408,6 +487,30 @@ def test_first_iteration_ratio_is_one_and_kl_zero_with_lora_reference(tiny_model
         assert metrics[key] == 0.0
     second = trainer.learn(make_groups([[0, 1, 1, 0], [1, 0, 0, 0]]))
     assert second["kl"] > 0  # the adapter moved away from the reference
+
+
+def test_kl_in_the_reward_penalises_each_sequence_before_advantages(tokenizer):
+    from agentenv.models import tiny_model as build
+
+    cfg = config(use_lora=False, beta=0.5, kl_placement="reward", kl_estimator="k1")
+    trainer = GRPO(build(tokenizer), tokenizer, cfg)  # reference: a frozen copy, as passed in
+    with torch.no_grad():  # move the policy away from the reference
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    groups = make_groups([[1, 1, 1, 1]], seed=3)  # equal rewards: only the penalty differs
+    batch = MicroBatch.from_episodes(groups[0], [0.0] * 4, tokenizer.pad_token_id)
+    with torch.no_grad():
+        args = (batch.input_ids, batch.attention_mask, 1.0)
+        logp = token_logprobs(trainer.model, *args, action_mask=batch.action_mask)
+        ref = token_logprobs(trainer.ref_model, *args, action_mask=batch.action_mask)
+    per_seq = ((logp - ref) * batch.action_mask).sum(-1)  # k1 summed over policy tokens
+    metrics = trainer.learn(groups)
+    assert metrics["rewards/kl_penalty_mean"] == pytest.approx(per_seq.mean().item(), rel=1e-4)
+    tokens = batch.action_mask.sum().item()
+    assert metrics["kl"] == pytest.approx(per_seq.sum().item() / tokens, rel=1e-4)
+    expected = compute_advantages(1.0 - 0.5 * per_seq[None, :])  # (1, 4)
+    assert metrics["advantages/std"] == pytest.approx(expected.std(correction=0).item(), rel=1e-3)
+    assert metrics["grad_norm"] > 0  # a zero-variance reward group still learns from the KL
 
 
 def test_later_iterations_clip(tiny_model, tokenizer):

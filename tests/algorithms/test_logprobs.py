@@ -67,6 +67,36 @@ def test_values_and_gradients_match_a_plain_forward(
     assert (logp[action == 0] == 0).all()
 
 
+@pytest.mark.parametrize("chunk_tokens", [1024, 5])
+def test_entropy_for_a_bonus_has_the_plain_forwards_gradient(tiny_model, tokenizer, chunk_tokens):
+    ids, attn, action = batch(tokenizer)
+    tiny_model.train()
+    params = [p for p in tiny_model.parameters() if p.requires_grad]
+    logits = tiny_model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / 0.7
+    plain = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # (N, T-1)
+    expected = (plain * action[:, 1:]).sum()
+    grads_expected = torch.autograd.grad(expected, params)
+    _, entropy = forward_logprobs(
+        tiny_model,
+        ids,
+        attn,
+        0.7,
+        action_mask=action,
+        with_entropy=True,
+        entropy_grad=True,
+        chunk_tokens=chunk_tokens,
+    )
+    total = (entropy * action).sum()
+    assert total.item() == pytest.approx(expected.item(), rel=1e-5)
+    grads = torch.autograd.grad(total, params)
+    for a, b in zip(grads, grads_expected, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    _, detached = forward_logprobs(
+        tiny_model, ids, attn, 0.7, action_mask=action, with_entropy=True
+    )
+    assert not detached.requires_grad  # no bonus: the entropy is a metric only
+
+
 def test_shared_prefix_under_bf16_autocast_is_close(tiny_model, tokenizer):
     ids, attn, action = batch(tokenizer)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -31,6 +31,16 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 WORKSPACE = {"sandbox": "rlimit", "families": ["files"], "levels": ["easy"]}
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """TRL's trainer sets accelerate's process-wide state (mixed precision and all); later
+    tests in this process build their own Accelerator and must not inherit it."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_tool_methods_carry_the_env_tools_schema():
     factory = environment_factory("Workspace-v0", **WORKSPACE)
     env_tools = {t.name: t for t in make("Workspace-v0", **WORKSPACE).unwrapped.tools}
@@ -157,6 +167,7 @@ def _train_one_step(model, tokenizer, factory, rows, tmp_path):
         generation_kwargs={"max_new_tokens": 96},
         temperature=0.1,  # the memorised text, near-greedily: a long call survives sampling
         use_cpu=True,
+        bf16=False,  # TRL's default is bf16 mixed precision, even where the CPU lacks bf16
         report_to="none",
         logging_steps=1,
         save_strategy="no",
