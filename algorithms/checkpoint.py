@@ -113,7 +113,10 @@ def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
         def write(tmp: Path) -> None:
             model = trainer.unwrapped_model
             weights = tmp / ("adapter" if trainer.config.use_lora else "model")
-            model.save_pretrained(weights)
+            if trainer.config.use_lora:  # the trained adapter only (not GRPO's reference)
+                model.save_pretrained(weights, selected_adapters=[model.active_adapter])
+            else:
+                model.save_pretrained(weights)
             trainer.tokenizer.save_pretrained(weights)  # alongside: loadable on its own
             torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")

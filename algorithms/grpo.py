@@ -39,8 +39,12 @@ Design decisions:
   ``beta == 0`` they are dropped before the forward pass and from every normaliser (DAPO's
   dynamic-sampling filter without resampling): the update equals that of the batch without
   them. With ``beta > 0`` they stay, since the KL term still applies.
-* **Reference policy** (``beta > 0`` only): with LoRA the same model under
-  ``disable_adapter()``; with full fine-tuning a frozen copy of the model as passed in.
+* **Reference policy** (``beta > 0`` only): the policy as training starts. With a fresh
+  LoRA adapter (B = 0) that is the same model under ``disable_adapter()``; with an adapter
+  passed in (a warm start) a frozen copy of it, a second adapter on the same base (as
+  AgileRL's separate reference adapter), so the KL is 0 at step 0 and not the distance to
+  the base; with full fine-tuning a frozen copy of the model. ``reference="base"`` keeps
+  the adapter-disabled base instead.
 * **LR schedule** counts ``learn()`` calls; every iteration of one call uses the same LR. The
   scheduler is not given to ``accelerator.prepare``, which would step it once per process.
 """
@@ -58,12 +62,14 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 from agentenv.config import option
 from agentenv.episode import collate
 from agentenv.errors import InvalidOptionError
 from algorithms.logprobs import forward_logprobs, token_logprobs
 from algorithms.precision import autocast
+from algorithms.rewards import REWARD_COMBINATIONS, combine_rewards
 from algorithms.trainer import Trainer, TrainerConfig
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
@@ -71,6 +77,8 @@ ADVANTAGE_NORMS = ("mean_std", "mean_only")
 ADVANTAGE_BASELINES = ("group_mean", "group_median", "global_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("loss", "reward")
+REFERENCES = ("initial", "base")
+REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 _CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -87,6 +95,7 @@ class EpisodeLike(Protocol):
     action_mask: list[int]  # 1 exactly on tokens the policy sampled
     sampler_logprobs: list[float]  # the sampler's log-prob at mask-1 positions, 0.0 elsewhere
     reward: float
+    # optional: ``info["reward_components"]`` ({name: float}) for reward_combination
 
 
 @dataclass
@@ -108,6 +117,13 @@ class GRPOConfig(TrainerConfig):
         "k3",
         "k1: log(pi/ref); k2: log(pi/ref)^2 / 2; k3: ref/pi - log(ref/pi) - 1 (unbiased, >= 0; "
         "Schulman's estimators, per policy token).",
+    )
+    reference: str = option(
+        "initial",
+        "The KL reference (beta > 0). initial: the policy as training starts; a warm-started "
+        "adapter (e.g. --init-from an SFT run) gets a frozen copy of itself as a second "
+        "adapter on the same base. base: the adapter-disabled base model, even after a "
+        "warm start.",
     )
     kl_placement: str = option(
         "loss",
@@ -140,6 +156,13 @@ class GRPOConfig(TrainerConfig):
     reward_clip: float | None = option(
         None, "Clip rewards to [-reward_clip, reward_clip] before advantages; None: no clip."
     )
+    reward_combination: str = option(
+        "weighted",
+        "How an env's named reward components (info['reward_components'], e.g. RAG's answer "
+        "/ retrieval / format) become the reward: weighted (the env's own weighted sum) | "
+        "uniform (their mean) | std (each divided by its batch std, summed) | pca (projection "
+        "on the batch's first principal component, sign-aligned with the sum) | l2 (norm).",
+    )
     entropy_coef: float = option(
         0.0,
         "Entropy bonus: the loss minus entropy_coef x the policy tokens' entropy, aggregated "
@@ -160,6 +183,8 @@ class GRPOConfig(TrainerConfig):
             "advantage_baseline": ADVANTAGE_BASELINES,
             "kl_estimator": KL_ESTIMATORS,
             "kl_placement": KL_PLACEMENTS,
+            "reference": REFERENCES,
+            "reward_combination": REWARD_COMBINATIONS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -422,6 +447,7 @@ class GRPO(Trainer):
         self.sampling = sampling or SimpleNamespace(temperature=1.0)
         self.temperature  # noqa: B018 - validated before any work
         self.ref_model = None
+        self.reference_adapter: str | None = None
         super().__init__(
             model,
             tokenizer,
@@ -436,11 +462,23 @@ class GRPO(Trainer):
         self.pad_token_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
 
     def _before_adapters(self, model: torch.nn.Module) -> None:
-        """The KL reference with full fine-tuning: a frozen copy of the model as passed in
-        (with LoRA the same model under ``disable_adapter()`` is the reference)."""
-        if self.config.beta > 0 and not self.config.use_lora:
+        """The KL reference, seen before training starts (see the module docstring)."""
+        cfg = self.config
+        if cfg.beta == 0:
+            return
+        if not cfg.use_lora:  # full fine-tuning: a frozen copy of the model as passed in
             self.ref_model = copy.deepcopy(model).requires_grad_(False).eval()
             self.ref_model.to(self.accelerator.device)
+        elif isinstance(model, PeftModel) and cfg.reference == "initial":
+            active = model.active_adapter  # a warm-started adapter: freeze a copy of it
+            model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(model.peft_config[active]))
+            weights = get_peft_model_state_dict(model, adapter_name=active)
+            set_peft_model_state_dict(model, weights, adapter_name=REFERENCE_ADAPTER)
+            model.set_adapter(active)  # add_adapter leaves the active one; be explicit
+            for name, param in model.named_parameters():
+                if f".{REFERENCE_ADAPTER}." in name:
+                    param.requires_grad_(False)
+            self.reference_adapter = REFERENCE_ADAPTER
 
     @property
     def temperature(self) -> float:
@@ -490,7 +528,7 @@ class GRPO(Trainer):
                     action_mask=mb.action_mask,
                 )
             policy = self.unwrapped_model
-            with policy.disable_adapter():
+            with self._reference_weights(policy):
                 return token_logprobs(
                     policy,
                     mb.input_ids,
@@ -498,6 +536,23 @@ class GRPO(Trainer):
                     self.temperature,
                     action_mask=mb.action_mask,
                 )
+
+    @contextlib.contextmanager
+    def _reference_weights(self, policy: torch.nn.Module) -> Any:
+        """The LoRA policy as its reference: the frozen reference adapter, else no adapter."""
+        if self.reference_adapter is None:
+            with policy.disable_adapter():
+                yield
+            return
+        active = policy.active_adapter
+        policy.set_adapter(self.reference_adapter)  # peft: only the active one is trainable
+        try:
+            yield
+        finally:
+            policy.set_adapter(active)
+            for name, param in policy.named_parameters():  # as _before_adapters left them
+                if f".{self.reference_adapter}." in name:
+                    param.requires_grad_(False)
 
     def _global(self, values: list[float], reduction: str) -> list[float]:
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
@@ -513,7 +568,8 @@ class GRPO(Trainer):
         start, cfg = time.perf_counter(), self.config
         episodes = self._flatten(groups)
         g = len(groups[0])
-        rewards = torch.tensor([[float(ep.reward) for ep in group] for group in groups])  # (B, G)
+        env_rewards = torch.tensor([[float(ep.reward) for ep in group] for group in groups])
+        rewards, component_stats = self._rewards(episodes, env_rewards)  # (B, G)
         group_baseline = cfg.advantage_baseline != "global_mean"
         zero_std = (rewards == rewards[:, :1]).all(dim=1)  # (B,)
         keep = [  # zero-variance groups carry no gradient under a group baseline
@@ -550,6 +606,7 @@ class GRPO(Trainer):
         metrics["grad_norm"] = sums.get("grad_norm", 0.0) / iters
         metrics.update(self._batch_stats(rewards, advantages, zero_std, episodes))
         metrics.update(kl_stats)
+        metrics.update(component_stats)
         metrics["tokens_per_second"] = sums.get("processed", 0.0) / (time.perf_counter() - start)
         metrics["learning_rate"] = lr
         metrics["step"] = float(self.step)
@@ -635,6 +692,39 @@ class GRPO(Trainer):
             "completion_length": length,
         }
         return batches, totals, rows
+
+    def _rewards(
+        self, episodes: list[EpisodeLike], env_rewards: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The rewards advantages start from ``(B, G)``, and each component's batch mean.
+
+        ``weighted`` keeps the env's rewards; other combinations combine the episodes'
+        ``info["reward_components"]`` over the global batch (missing components count 0;
+        an env that reports none has one component, its reward).
+        """
+        from accelerate.utils import gather_object
+
+        method = self.config.reward_combination
+        found = [getattr(ep, "info", {}).get("reward_components") or {} for ep in episodes]
+        names = sorted({n for names in gather_object([sorted(c) for c in found]) for n in names})
+        if not names:
+            if method == "weighted":
+                return env_rewards, {}
+            names, found = ["reward"], [{"reward": float(ep.reward)} for ep in episodes]
+        x = torch.tensor([[float(c.get(n, 0.0)) for n in names] for c in found])  # (N, K)
+        x = x.double()
+        k = len(names)
+        sums = self._global([*x.sum(0).tolist(), *(x.T @ x).flatten().tolist(), len(x)], "sum")
+        n = sums[-1]
+        mean = torch.tensor(sums[:k], dtype=torch.float64) / n  # (K,)
+        cov = torch.tensor(sums[k:-1], dtype=torch.float64).view(k, k) / n - torch.outer(mean, mean)
+        stats = {
+            f"rewards/components/{name}": m for name, m in zip(names, mean.tolist(), strict=True)
+        }
+        if method == "weighted":
+            return env_rewards, stats
+        combined = combine_rewards(x, method, mean=mean, cov=cov)  # (N,)
+        return combined.float().view_as(env_rewards), stats
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """``compute_advantages`` with this config; global_mean's stats over every process."""

@@ -36,9 +36,10 @@ def apply_lora(
     made a float32 copy of every adapted layer's input that backward kept (0.13 GB per
     768-token micro-batch on SmolLM2).
     """
-    if isinstance(model, PeftModel):
+    if isinstance(model, PeftModel):  # its active adapter trains; any other stays frozen
+        active = f".{model.active_adapter}."
         for name, param in model.named_parameters():
-            param.requires_grad_("lora_" in name)
+            param.requires_grad_("lora_" in name and active in name)
         return _keep_input_dtype(model)
     layers = None
     if last_layers is not None:

@@ -20,6 +20,7 @@ import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agentenv.errors import InvalidOptionError
 
@@ -99,13 +100,15 @@ def score_answer(
     retrieved_doc_ids: Sequence[str],
     gold_doc_ids: Sequence[str],
     weights: RewardWeights,
-) -> tuple[float, dict[str, float | bool]]:
+) -> tuple[float, dict[str, Any]]:
     """The reward of a final ``answer`` and its components.
 
     Returns:
         ``(reward, info)`` with ``correct`` (EM), ``answer_em``, ``answer_f1``,
-        ``retrieval_rr``, ``format_ok`` and the weighted terms ``reward_answer``,
-        ``reward_retrieval``, ``reward_format`` (which sum to ``reward``).
+        ``retrieval_rr``, ``format_ok``, the weighted terms ``reward_answer``,
+        ``reward_retrieval``, ``reward_format`` (which sum to ``reward``) and
+        ``reward_components``, the unweighted ``answer`` / ``retrieval`` / ``format`` scores
+        (for a trainer's ``reward_combination`` other than the weighted sum).
     """
     em = exact_match(answer, golds)
     f1 = token_f1(answer, golds)
@@ -117,12 +120,17 @@ def score_answer(
         "reward_retrieval": weights.retrieval * rr,
         "reward_format": weights.format * float(format_ok),
     }
-    info: dict[str, float | bool] = {
+    info: dict[str, Any] = {
         "correct": em == 1.0,
         "answer_em": em,
         "answer_f1": f1,
         "retrieval_rr": rr,
         "format_ok": format_ok,
         **terms,
+        "reward_components": {
+            "answer": max(em, f1),
+            "retrieval": rr,
+            "format": float(format_ok),
+        },
     }
     return sum(terms.values()), info

@@ -343,8 +343,10 @@ def test_the_cli_reference_is_up_to_date():
         ),
         (["--beta", "0.1", "--kl-estimator", "k2"], "kl"),
         (["--beta", "0.1", "--kl-placement", "reward"], "rewards/kl_penalty_mean"),
+        (["--reward-combination", "pca"], "rewards/components/reward"),  # Calculator: 1 part
+        (["--beta", "0.1", "--reference", "base"], "kl"),
     ],
-    ids=["median", "global", "clip", "entropy", "cispo", "k2", "kl-reward"],
+    ids=["median", "global", "clip", "entropy", "cispo", "k2", "kl-reward", "pca", "ref-base"],
 )
 def test_each_grpo_option_runs_from_the_cli_and_logs_its_metric(
     tiny_model_dir, tmp_path, flags, metric

@@ -608,3 +608,34 @@ def test_gradient_checkpointing_gives_the_same_gradient(tokenizer):
     checkpointed.learn(groups)
     for a, b in zip(plain._params, checkpointed._params, strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=1e-5)
+
+
+def _warm_started(tokenizer):
+    """A PeftModel whose adapter is not zero, as after an SFT warm start."""
+    from peft import LoraConfig, get_peft_model
+
+    from agentenv.models import tiny_model as build
+
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    return get_peft_model(build(tokenizer), lora)
+
+
+def test_a_warm_started_adapter_is_its_own_kl_reference(tokenizer, tmp_path):
+    groups = make_groups([[0, 1, 1, 0], [1, 0, 0, 0]])
+    trainer = GRPO(_warm_started(tokenizer), tokenizer, config(beta=0.1))
+    reference = {
+        n: p.clone() for n, p in trainer.unwrapped_model.named_parameters() if ".reference." in n
+    }
+    assert reference and not any(p.requires_grad for p in reference.values())
+    metrics = trainer.learn(groups)
+    assert metrics["kl"] == 0.0  # step 0: the policy is its reference, exactly
+    assert trainer.learn(groups)["kl"] > 0  # then it moves away from it
+    after = dict(trainer.unwrapped_model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in reference.items())  # frozen
+    saved = trainer.save(tmp_path / "ckpt") / "adapter"
+    assert not (saved / "reference").exists()  # the checkpoint holds the trained adapter only
+
+    base = GRPO(_warm_started(tokenizer), tokenizer, config(beta=0.1, reference="base"))
+    assert base.learn(groups)["kl"] > 0  # the adapter-disabled base differs from the start
