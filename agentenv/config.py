@@ -287,13 +287,18 @@ class CommandConfig:
 
 
 def resolve(
-    cls: type[T], file: str | Path | None = None, overrides: dict[str, Any] | None = None
+    cls: type[T],
+    file: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
 ) -> T:
-    """``cls`` from its defaults, then ``file`` (if any), then ``overrides``, deep-merged.
+    """``cls`` from its defaults, then ``base`` (e.g. a profile), then ``file`` (if any),
+    then ``overrides``, deep-merged.
 
     The defaults are those of ``cls()``, so a section keeps the defaults its owner gives
     it (a training run's rollout, say) where the file sets only some of its keys.
     """
-    data = merge(to_dict(cls()), load_file(file)) if file else to_dict(cls())
+    data = merge(to_dict(cls()), base or {})
+    data = merge(data, load_file(file)) if file else data
     where = str(file) if file else "the command line"
     return from_dict(cls, merge(data, overrides or {}), where)

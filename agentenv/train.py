@@ -36,6 +36,7 @@ from agentenv import config as config_lib
 from agentenv.config import CommandConfig, option
 from agentenv.errors import InvalidOptionError
 from agentenv.generation import SamplingConfig, resolve_dtype
+from agentenv.profiles import profile_settings
 from agentenv.registration import env_name
 from agentenv.rollout import RolloutConfig
 from algorithms.grpo import GRPOConfig
@@ -64,6 +65,11 @@ class TrainConfig(CommandConfig):
     init_from: str | None = option(
         None, "Checkpoint folder (e.g. from `agentenv sft`) to start from."
     )
+    profile: str | None = option(
+        None,
+        "conservative | balanced | aggressive: a bundle of GRPO settings (LR, clip, KL, "
+        "entropy, G; see agentenv.profiles) under --config and flags, which still win.",
+    )
     steps: int = option(20, "GRPO steps (one batch of B x G episodes each).")
     batch_size: int = option(4, "Tasks per step (B).")
     eval_every: int = option(0, "Evaluate every N steps (0: only before and after training).")
@@ -87,6 +93,7 @@ class TrainConfig(CommandConfig):
                 raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0 or self.eval_tasks < 0 or self.log_episodes < 0:
             raise InvalidOptionError("eval_every, eval_tasks and log_episodes must be >= 0")
+        profile_settings(self.profile)  # an unknown name fails here, naming the profiles
         if self.rollout.group_size < 2:
             raise InvalidOptionError(
                 f"group_size must be >= 2 for group-relative advantages, got "
@@ -102,9 +109,14 @@ class TrainConfig(CommandConfig):
     def resolve(
         cls, file: str | Path | None = None, overrides: dict[str, Any] | None = None
     ) -> TrainConfig:
-        """Defaults, then ``file`` (YAML/JSON, nested like ``config.json``), then
-        ``overrides`` (a nested dict, e.g. from flags), deep-merged; strict keys."""
-        return config_lib.resolve(cls, file, overrides)
+        """Defaults, then the ``profile`` (named in ``overrides`` or ``file``), then ``file``
+        (YAML/JSON, nested like ``config.json``), then ``overrides`` (a nested dict, e.g.
+        from flags), deep-merged; strict keys."""
+        overrides = overrides or {}
+        named = overrides.get(
+            "profile", config_lib.load_file(file).get("profile") if file else None
+        )
+        return config_lib.resolve(cls, file, overrides, base=profile_settings(named))
 
 
 def task_seeds(seed: int, step: int, n: int) -> list[int]:

@@ -361,3 +361,37 @@ def test_each_grpo_option_runs_from_the_cli_and_logs_its_metric(
         assert saved_value == (value if isinstance(saved_value, str) else float(value))
     (row,) = read_metrics(out)
     assert metric in row and row[metric] == row[metric]  # logged and not NaN
+
+
+def test_profiles_sit_under_the_config_file_and_flags(tmp_path, capsys):
+    from agentenv.profiles import PROFILES
+
+    conservative = TrainConfig.resolve(None, {"profile": "conservative"})
+    assert conservative.grpo.beta == 0.04 and conservative.grpo.learning_rate == 2e-5
+    assert conservative.grpo.max_grad_norm == 0.5 and conservative.rollout.group_size == 8
+    flagged = TrainConfig.resolve(None, {"profile": "aggressive", "grpo": {"learning_rate": 3e-5}})
+    assert flagged.grpo.learning_rate == 3e-5  # the flag wins
+    assert flagged.grpo.entropy_coef == 0.001 and flagged.grpo.num_iterations == 2
+    path = tmp_path / "run.yaml"
+    path.write_text("profile: balanced\ngrpo:\n  beta: 0.1\n")
+    filed = TrainConfig.resolve(path, {})
+    assert filed.grpo.beta == 0.1 and filed.grpo.epsilon_high == 0.28  # file over profile
+    for name, bundle in PROFILES.items():  # every bundle is a valid config
+        assert TrainConfig.resolve(None, {"profile": name}).profile == name
+        assert set(bundle) <= {"rollout", "grpo"}
+    with pytest.raises(InvalidOptionError, match="'aggressive', 'balanced', 'conservative'"):
+        TrainConfig.resolve(None, {"profile": "wild"})
+    assert main(["train", "--profile", "wild"]) == 2  # before any model loads
+    assert "profile must be one of" in capsys.readouterr().err
+
+
+def test_a_profile_run_records_its_values(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--model", tiny_model_dir, "--steps", "1", "--batch-size", "1", "--group-size", "2"]
+    flags += ["--max-new-tokens", "4", "--eval-tasks", "0", "--output-dir", str(out)]
+    assert main(["train", "Calculator-v0", "--profile", "conservative", *flags]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["profile"] == "conservative"
+    assert saved["grpo"]["beta"] == 0.04 and saved["grpo"]["learning_rate"] == 2e-5
+    assert saved["rollout"]["group_size"] == 2  # the flag over the profile's 8
+    assert "kl" in read_metrics(out)[0]
