@@ -145,14 +145,21 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _episode_stats(groups: list[list[Any]]) -> dict[str, float]:
+    """Per-episode and per-turn statistics of a step's episodes."""
     eps = [e for g in groups for e in g]
     n = len(eps)
+    turns = max(sum(e.num_turns for e in eps), 1)
     return {
         "episodes/correct_rate": sum(bool(e.info.get("correct")) for e in eps) / n,
         "episodes/answer_rate": sum("answer" in e.info for e in eps) / n,
         "episodes/tool_call_rate": sum(e.info.get("num_tool_calls", 0) > 0 for e in eps) / n,
         "episodes/mean_turns": sum(e.num_turns for e in eps) / n,
+        "episodes/max_turns": float(max(e.num_turns for e in eps)),
         "episodes/mean_policy_tokens": sum(e.num_policy_tokens for e in eps) / n,
+        "episodes/unfinished_rate": sum(e.stop_reason != "terminated" for e in eps) / n,
+        "turns/policy_tokens_mean": sum(e.num_policy_tokens for e in eps) / turns,
+        "turns/tool_calls_mean": sum(e.info.get("num_tool_calls", 0) for e in eps) / turns,
+        "turns/tool_errors_mean": sum(e.info.get("num_tool_errors", 0) for e in eps) / turns,
     }
 
 

@@ -644,7 +644,7 @@ class GRPO(Trainer):
             "advantages/mean": s[2] / n,
             "advantages/std": max(s[3] / n - (s[2] / n) ** 2, 0.0) ** 0.5,
             "frac_reward_zero_std": s[5] / s[6],
-            "trainable_token_ratio": s[7] / s[8],
+            "trainable_ratio": s[7] / s[8],
             "num_sequences": n,
         }
 

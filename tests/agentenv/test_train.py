@@ -395,3 +395,24 @@ def test_a_profile_run_records_its_values(tiny_model_dir, tmp_path):
     assert saved["grpo"]["beta"] == 0.04 and saved["grpo"]["learning_rate"] == 2e-5
     assert saved["rollout"]["group_size"] == 2  # the flag over the profile's 8
     assert "kl" in read_metrics(out)[0]
+
+
+def test_episode_and_per_turn_stats_by_hand():
+    from agentenv.episode import Episode
+    from agentenv.train import _episode_stats
+
+    def ep(turns, policy, stop, **info):
+        mask = [0] + [1] * policy
+        return Episode(
+            [1] * len(mask), mask, [0.0] * len(mask), num_turns=turns, stop_reason=stop, info=info
+        )
+
+    groups = [
+        [ep(3, 30, "terminated", answer="4", correct=True, num_tool_calls=2, num_tool_errors=1)],
+        [ep(1, 10, "max_tokens", num_tool_calls=0)],
+    ]
+    stats = _episode_stats(groups)
+    assert stats["episodes/mean_turns"] == 2.0 and stats["episodes/max_turns"] == 3.0
+    assert stats["episodes/unfinished_rate"] == 0.5 and stats["episodes/correct_rate"] == 0.5
+    assert stats["turns/policy_tokens_mean"] == 40 / 4  # per policy turn
+    assert stats["turns/tool_calls_mean"] == 2 / 4 and stats["turns/tool_errors_mean"] == 1 / 4

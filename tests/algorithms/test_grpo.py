@@ -34,7 +34,7 @@ METRIC_KEYS = {
     "rewards/mean",
     "rewards/std",
     "frac_reward_zero_std",
-    "trainable_token_ratio",
+    "trainable_ratio",
     "entropy",
     "grad_norm",
     "tokens_per_second",
@@ -470,7 +470,7 @@ def test_learn_updates_the_policy(tiny_model, tokenizer, loss_type, use_lora):
     assert metrics["num_sequences"] == 12
     assert metrics["frac_reward_zero_std"] == pytest.approx(1 / 3)
     assert metrics["grad_norm"] > 0 and metrics["entropy"] > 0
-    assert 0 < metrics["trainable_token_ratio"] < 1
+    assert 0 < metrics["trainable_ratio"] < 1
     after = dict(trainer.unwrapped_model.named_parameters())
     assert any(not torch.equal(after[n], p) for n, p in trainable.items())
     assert all(torch.equal(after[n], p) for n, p in frozen.items())
