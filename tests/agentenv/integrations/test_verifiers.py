@@ -152,3 +152,16 @@ def test_the_agents_max_turns_ends_a_rollout_the_env_has_not(served_model):
     (trace,) = traces
     assert trace.stop_condition == "max_turns" and trace.is_truncated
     assert trace.reward == 0.0 and trace.metrics["num_tool_calls"] == 1.0
+
+
+def test_the_llm_judge_reaches_an_openai_compatible_server(served_model):
+    """agentenv.judge.OpenAIJudge against the same real server (its model cannot grade: the
+    reply has no <score>, so the judge falls back and says why)."""
+    from agentenv.judge import LLMJudge, OpenAIJudge
+
+    backend = OpenAIJudge(served_model["url"], served_model["model"], max_tokens=8)
+    judge = LLMJudge(backend, fallback=0.5)
+    (verdict,) = judge.score_batch([("What is 2 + 2?", "4", "4")])
+    assert verdict.reply and verdict.reward == 0.5
+    assert verdict.error == "no <score>N</score> in the reply"
+    assert judge.stats["calls"] == 1
