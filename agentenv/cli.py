@@ -128,6 +128,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from agentenv.registration import make
 
     make(run.env_id, split=run.eval.split, **run.env_kwargs).close()  # before the model loads
+    judge = run.make_judge()
     model, tokenizer = _load_policy(run)
     label = run.label or (f"{run.model}+{run.adapter}" if run.adapter else run.model)
     report = evaluate(
@@ -136,6 +137,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         ChatFormat(tokenizer),
         run.eval,
         label=label,
+        judge=judge,
     )
     print(format_table([report]))
     if run.output:

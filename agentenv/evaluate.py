@@ -58,10 +58,37 @@ class EvalRunConfig(CommandConfig):
 
     adapter: str | None = option(None, "Checkpoint folder to apply (adapter/ or model/).")
     label: str | None = option(None, "Name of the model in the report (default: model+adapter).")
+    judge: str | None = option(
+        None,
+        "Also grade final answers with an LLM judge (metric judge_score, 0..1): 'local' (the "
+        "bundled SmolLM2: offline, weak) or an OpenAI-compatible base URL "
+        "(http://HOST:PORT/v1; --judge-model names its model).",
+    )
+    judge_model: str | None = option(None, "The model name an OpenAI-compatible judge expects.")
     output: str | None = option(None, "Write the report as JSON to this path.")
     eval: EvalConfig = option(
         EvalConfig(max_turns=3, max_new_tokens=96), "What to evaluate (section)."
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.judge is not None and self.judge != "local":
+            if not self.judge.startswith(("http://", "https://")) or not self.judge_model:
+                raise InvalidOptionError(
+                    f"judge must be 'local' or an http(s) base URL with judge_model set, got "
+                    f"judge={self.judge!r}, judge_model={self.judge_model!r}"
+                )
+
+    def make_judge(self) -> Any:
+        """The :class:`~agentenv.judge.LLMJudge` this run asked for, or ``None``."""
+        from agentenv.judge import LLMJudge, OpenAIJudge, TransformersJudge
+
+        if self.judge is None:
+            return None
+        if self.judge == "local":
+            return LLMJudge(TransformersJudge.default())
+        assert self.judge_model is not None
+        return LLMJudge(OpenAIJudge(self.judge, self.judge_model))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -135,6 +162,7 @@ def evaluate(
     *,
     label: str = "",
     show_progress: bool = True,
+    judge: Any = None,
 ) -> EvalReport:
     """Run the policy on the first ``num_tasks`` tasks of the split.
 
@@ -145,6 +173,9 @@ def evaluate(
         config: What to evaluate.
         label: Name shown in tables (e.g. the model or checkpoint).
         show_progress: Progress bar over batches of tasks.
+        judge: An :class:`~agentenv.judge.LLMJudge`: each final answer is also graded
+            against the task's reference (``judge_score``: mean over episodes, 0 for an
+            episode without an answer; ``judge_failures``: grades that fell back).
     """
     config = config or EvalConfig()
     probe = make_env()
@@ -173,7 +204,34 @@ def evaluate(
         bar.update(len(ids))
     bar.close()
     per_task = [sum(bool(e.info.get("correct")) for e in g) / len(g) for g in groups]
-    return EvalReport(summarize(groups), per_task, asdict(config), label)
+    metrics = summarize(groups)
+    if judge is not None:
+        metrics.update(_judge(make_env, groups, judge))
+    return EvalReport(metrics, per_task, asdict(config), label)
+
+
+def _judge(make_env: Callable[[], gym.Env], groups: list[list[Episode]], judge: Any) -> dict:
+    """Grade every answered episode (one batched judge call); store each grade in its info."""
+    env = make_env()
+    try:
+        items, answered = [], []
+        for task_id, group in enumerate(groups):
+            task = env.unwrapped.get_task(task_id)
+            gold = task.answer[0] if isinstance(task.answer, list | tuple) else task.answer
+            for episode in group:
+                if "answer" in episode.info:
+                    items.append((task.prompt, str(episode.info["answer"]), str(gold)))
+                    answered.append(episode)
+    finally:
+        env.close()
+    verdicts = judge.score_batch(items) if items else []
+    for episode, verdict in zip(answered, verdicts, strict=True):
+        episode.info["judge_score"] = verdict.reward
+    n = sum(len(g) for g in groups)
+    return {
+        "judge_score": sum(v.reward for v in verdicts) / n,
+        "judge_failures": float(sum(v.error is not None for v in verdicts)),
+    }
 
 
 def compare(a: EvalReport, b: EvalReport) -> dict[str, float]:

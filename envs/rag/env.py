@@ -95,6 +95,11 @@ class RAGEnv(ToolEnv):
         retrieval_weight: Weight of the gold document's reciprocal rank.
         format_weight: Weight of a well-formed answer (< ``answer_weight``).
         max_answer_words: Longest well-formed answer.
+        judge: An :class:`agentenv.judge.LLMJudge` grading the final answer against the
+            first gold answer; its grade (0..1) times ``judge_weight`` is added to the
+            reward and reported as the ``judge`` reward component (``judge_error`` says
+            why a grade fell back). ``None``: EM / F1 only.
+        judge_weight: Weight of the judge's grade.
         max_turns: Actions per episode before ``truncated``.
         parser: Action parser (default Hermes ``<tool_call>`` / ``<answer>``).
         tool_timeout_s: Wall-clock limit per search.
@@ -129,6 +134,8 @@ class RAGEnv(ToolEnv):
         retrieval_weight: float = 0.2,
         format_weight: float = 0.05,
         max_answer_words: int = 10,
+        judge: Any = None,
+        judge_weight: float = 1.0,
         max_turns: int = 6,
         parser: ActionParser | None = None,
         tool_timeout_s: float = 10.0,
@@ -141,6 +148,14 @@ class RAGEnv(ToolEnv):
         self.weights = RewardWeights(
             answer_weight, retrieval_weight, format_weight, max_answer_words
         )
+        if judge is not None and not hasattr(judge, "score_batch"):
+            raise InvalidOptionError(
+                f"judge must be an agentenv.judge.LLMJudge (or have score_batch), got "
+                f"{type(judge).__name__}"
+            )
+        if judge_weight < 0:
+            raise InvalidOptionError(f"judge_weight must be >= 0, got {judge_weight}")
+        self.judge, self.judge_weight = judge, float(judge_weight)
         super().__init__(
             [self._make_search_tool()],
             split=split,
@@ -260,6 +275,12 @@ class RAGEnv(ToolEnv):
         retrieved = unique_docs(self._retrieved)
         gold_docs = task.metadata["gold_doc_ids"]
         reward, info = score_answer(answer, task.answer, retrieved, gold_docs, self.weights)
+        if self.judge is not None:  # a free-form grade on top of EM / F1
+            (verdict,) = self.judge.score_batch([(task.prompt, answer, task.answer[0])])
+            reward += self.judge_weight * verdict.reward
+            info["reward_judge"] = self.judge_weight * verdict.reward
+            info["reward_components"]["judge"] = verdict.reward
+            info["judge_error"] = verdict.error
         info.update(
             retrieved_doc_ids=retrieved,
             gold_doc_ids=list(gold_docs),

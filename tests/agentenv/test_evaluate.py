@@ -123,3 +123,37 @@ def test_eval_config_validation():
         EvalConfig(samples=4, temperature=0.0)
     with pytest.raises(InvalidOptionError, match="samples"):
         EvalConfig(samples=0)
+
+
+def test_an_llm_judge_grades_each_answer_against_the_reference(tokenizer):
+    from agentenv.judge import LLMJudge
+
+    class Backend:  # 10 when the candidate equals the reference, else 4
+        def complete(self, chats):
+            grades = []
+            for chat in chats:
+                text = chat[1]["content"]
+                reference = text.split("Reference answer:\n")[1].split("\n")[0]
+                candidate = text.rsplit("Candidate answer:\n", 1)[1]
+                grades.append("<score>10</score>" if candidate == reference else "<score>4</score>")
+            return grades
+
+    config = EvalConfig(num_tasks=6, max_turns=5)
+    report = evaluate(
+        make_env,
+        scripted_policy(tokenizer),
+        ChatFormat(tokenizer),
+        config,
+        show_progress=False,
+        judge=LLMJudge(Backend()),
+    )
+    # tasks 0, 3 right (1.0), tasks 1, 4 wrong (0.4), tasks 2, 5 unanswered (0)
+    assert report.metrics["judge_score"] == pytest.approx((1 + 0.4 + 1 + 0.4) / 6)
+    assert report.metrics["judge_failures"] == 0.0
+
+
+def test_eval_judge_settings_fail_before_the_model_loads(capsys):
+    from agentenv.cli import main
+
+    assert main(["eval", "--judge", "localhost:8000"]) == 2
+    assert "judge must be 'local' or an http(s) base URL" in capsys.readouterr().err

@@ -259,3 +259,35 @@ def test_custom_corpus_folder_and_qa_file(tmp_path, cache_dir, write_jsonl):
     only_train = [QAItem("q", "Q?", ("a",), ("router.md",), "train")]
     with pytest.raises(TaskSourceError, match="'test' split has no questions"):
         RAGEnv(corpus=str(docs), qa=only_train, split="test", chroma="memory")
+
+
+def test_an_llm_judge_adds_a_graded_reward_component(small_env_kwargs):
+    from agentenv.judge import LLMJudge
+
+    class Backend:  # grades "Paris"-like answers by whether they contain the reference
+        def __init__(self):
+            self.chats = []
+
+        def complete(self, chats):
+            self.chats += chats
+            return [
+                "<score>10</score>"
+                if c[1]["content"].split("Reference answer:\n")[1].split("\n")[0]
+                in c[1]["content"].rsplit("Candidate answer:\n", 1)[1]
+                else "<score>2</score>"
+                for c in chats
+            ]
+
+    backend = Backend()
+    env = RAGEnv(**small_env_kwargs, judge=LLMJudge(backend), judge_weight=0.5)
+    env.reset(options={"task_id": 0})
+    gold = env.task.answer[0]
+    reward, info = _episode_with_answer(env, f"I think it is {gold}, probably")  # not EM
+    assert info["reward_components"]["judge"] == 1.0 and info["reward_judge"] == 0.5
+    plain = info["reward_answer"] + info["reward_retrieval"] + info["reward_format"]
+    assert reward == pytest.approx(plain + 0.5) and info["judge_error"] is None
+    assert backend.chats[0][1]["content"].startswith(f"Question:\n{env.task.prompt}")
+    _, info = _episode_with_answer(env, "no idea")
+    assert info["reward_components"]["judge"] == pytest.approx(0.2)
+    with pytest.raises(InvalidOptionError, match="judge must be"):
+        RAGEnv(**small_env_kwargs, judge="gpt")
