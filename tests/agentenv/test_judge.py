@@ -81,3 +81,17 @@ def test_a_small_local_model_judges_through_the_generation_path(tokenizer):
     judge = LLMJudge(TransformersJudge(model, tokenizer))
     (verdict,) = judge.score_batch([("Capital of France?", "Paris", "Paris")])
     assert verdict.reply == "<score>8</score>" and verdict.reward == 0.8
+
+
+@pytest.mark.slow
+def test_the_default_local_judge_runs_offline(smollm2):
+    """The bundled SmolLM2 as a judge, through TransformersJudge: a grade or a fallback
+    that says why (it is a weak judge; this checks the path, not its judgement)."""
+    model, tokenizer = smollm2
+    judge = LLMJudge(TransformersJudge(model, tokenizer), fallback=-1.0)
+    (verdict,) = judge.score_batch([("What is 2 + 2?", "4", "4")])
+    assert verdict.reply  # the model said something
+    assert (verdict.error is None and 0 <= verdict.reward <= 1) or (
+        verdict.reward == -1.0 and verdict.error
+    )
+    assert judge.stats["calls"] == 1

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from toy_episodes import Ep
 from transformers import AutoModelForCausalLM
 
 from agentenv.errors import InvalidOptionError
@@ -20,14 +20,6 @@ from algorithms.logprobs import token_logprobs
 
 # peft 0.21 reads a property transformers 5.23 deprecated; nothing for us to act on
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-
-
-@dataclass
-class Ep:
-    input_ids: list[int]
-    action_mask: list[int]
-    sampler_logprobs: list[float]
-    reward: float
 
 
 def make_groups(seed: int = 0) -> list[list[Ep]]:

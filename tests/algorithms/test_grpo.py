@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
+from toy_episodes import Ep
 
 from agentenv.errors import InvalidOptionError
 from algorithms.grpo import (
@@ -48,16 +48,6 @@ KL_REWARD_KEYS = {"rewards/kl_penalty_mean"}
 
 # peft 0.21 reads a property transformers 5.23 deprecated; nothing for us to act on
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-
-
-@dataclass
-class Ep:
-    """A minimal EpisodeLike."""
-
-    input_ids: list[int]
-    action_mask: list[int]
-    sampler_logprobs: list[float]
-    reward: float
 
 
 def make_groups(rewards: list[list[float]], seed: int = 0) -> list[list[Ep]]:

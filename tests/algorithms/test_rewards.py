@@ -1,10 +1,10 @@
 """Reward combinations by hand, and GRPO learning from a combined reward."""
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
+from toy_episodes import Ep
 
 from agentenv.errors import InvalidOptionError
 from algorithms.grpo import GRPO, GRPOConfig
@@ -58,15 +58,6 @@ def test_bad_input_names_the_choices():
         combine_rewards(X, "sum")
     with pytest.raises(InvalidOptionError, match="reward_combination"):
         GRPOConfig(reward_combination="sum")
-
-
-@dataclass
-class Ep:
-    input_ids: list[int]
-    action_mask: list[int]
-    sampler_logprobs: list[float]
-    reward: float
-    info: dict = field(default_factory=dict)
 
 
 def episodes(components: list[dict[str, float]], reward: float = 1.0) -> list[Ep]:
