@@ -91,7 +91,8 @@ def extract_answer(question: str, title: str, text: str) -> str:
     return spans[0] if spans else title
 
 
-def _call(query: str) -> str:
+def search_action(query: str) -> str:
+    """A Hermes ``search`` tool call for ``query``."""
     return f"<tool_call>{json.dumps({'name': 'search', 'arguments': {'query': query}})}</tool_call>"
 
 
@@ -102,7 +103,7 @@ class SearchThenAnswer:
         question = next(m["content"] for m in messages if m["role"] == "user")
         tool_outputs = [m["content"] for m in messages if m["role"] == "tool"]
         if not tool_outputs:
-            return _call(question)
+            return search_action(question)
         top = parse_top_passage(tool_outputs[-1])
         answer = extract_answer(question, *top) if top else "unknown"
         return f"<answer>{answer}</answer>"

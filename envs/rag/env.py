@@ -195,6 +195,22 @@ class RAGEnv(ToolEnv):
         self._retrieved: list[Hit] = []
 
     # ---- the search tool ------------------------------------------------------------
+    def demonstration(self, task: Task) -> list[str] | None:
+        """Search with the question, then answer with the span the rule-based reader takes
+        from the top passage (:class:`envs.rag.baselines.SearchThenAnswer`).
+
+        The gold answer is never looked at: the demonstration only knows what retrieval
+        returns. Its answer can be wrong; the replay (``agentenv.demos``) keeps a
+        demonstration only when the env scores it correct.
+        """
+        from envs.rag.baselines import extract_answer, parse_top_passage, search_action
+
+        question = task.prompt.strip()
+        hits = self.retriever.search(question, self.default_k)  # what the tool call returns
+        top = parse_top_passage(self.format_hits(question, hits))
+        answer = extract_answer(question, *top) if top else "unknown"
+        return [search_action(question), f"<answer>{answer}</answer>"]
+
     def _make_search_tool(self) -> Tool:
         def search(query: str, k: int = 3) -> str:
             return self._search(query, k)

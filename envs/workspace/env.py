@@ -13,7 +13,7 @@ from envs.workspace.backend import detect_backend
 from envs.workspace.errors import SandboxError
 from envs.workspace.paths import FileLimits
 from envs.workspace.sandbox import RunResult, SandboxLimits
-from envs.workspace.tasks import check_task, load_tasks
+from envs.workspace.tasks import as_actions, check_task, load_tasks, solve_task
 from envs.workspace.workspace import Workspace
 
 _ERROR_TAIL = 200  # characters of output quoted in a "stopped by the sandbox" error
@@ -126,6 +126,14 @@ class WorkspaceEnv(ToolEnv):
 
     def get_task(self, index: int) -> Task:
         return self._tasks[index]
+
+    def demonstration(self, task: Task) -> list[str] | None:
+        """The family's scripted solver as actions: its tool calls, then ``<answer>``.
+
+        The solver reads the task's parameters and starting files (what the task states),
+        and the replay keeps a demonstration only if the checker passes it.
+        """
+        return as_actions(solve_task(task))
 
     def instructions(self) -> str:
         return (

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import statistics
 import threading
@@ -291,3 +292,32 @@ def test_an_llm_judge_adds_a_graded_reward_component(small_env_kwargs):
     assert info["reward_components"]["judge"] == pytest.approx(0.2)
     with pytest.raises(InvalidOptionError, match="judge must be"):
         RAGEnv(**small_env_kwargs, judge="gpt")
+
+
+def test_demonstrations_search_then_answer_from_retrieval_only(small_env_kwargs, tokenizer):
+    from agentenv.demos import demonstration_episodes
+    from agentenv.episode import ChatFormat
+
+    env = RAGEnv(**small_env_kwargs)
+    n = env.num_tasks
+    solved = 0
+    for i in range(n):
+        env.reset(options={"task_id": i})
+        task = env.task
+        search, answer = env.demonstration(task)
+        assert json.loads(search.split("<tool_call>")[1].split("</tool_call>")[0]) == {
+            "name": "search",
+            "arguments": {"query": task.prompt.strip()},
+        }
+        env.step(search)
+        _, _, terminated, _, info = env.step(answer)
+        assert terminated and info["num_searches"] == 1
+        solved += bool(info["correct"])
+    # a task whose gold is replaced still gets the same demonstration: the gold is never read
+    env.reset(options={"task_id": 0})
+    blind = dataclasses.replace(env.task, answer=["no such answer"])
+    assert env.demonstration(blind) == env.demonstration(env.task)
+    episodes = demonstration_episodes(lambda: RAGEnv(**small_env_kwargs), ChatFormat(tokenizer), n)
+    assert 0 < solved < n and 0 < len(episodes) < n  # the reader is often wrong ...
+    assert abs(len(episodes) - solved) <= n // 4  # ... (tasks drawn by seed, not by index)
+    assert all(e.info["correct"] and e.num_turns == 2 for e in episodes)  # only right ones

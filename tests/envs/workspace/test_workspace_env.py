@@ -253,3 +253,16 @@ def test_render_and_step_after_close(make_env):
     _, reward, terminated, _, info = env.step("<answer>done</answer>")
     assert (reward, terminated, info["correct"]) == (0.0, True, False)
     assert info["checks_failed"] == ["the workspace was closed before the answer"]
+
+
+def test_demonstrations_replay_the_scripted_solvers(tokenizer):
+    from agentenv.demos import demonstration_episodes
+    from agentenv.episode import ChatFormat
+
+    def make():
+        return agentenv.make("Workspace-v0", sandbox="rlimit", max_turns=20)
+
+    episodes = demonstration_episodes(make, ChatFormat(tokenizer), 8, max_episode_tokens=8192)
+    assert len(episodes) == 8  # every family's solver passes its checker
+    assert {e.info["checks_passed"] == e.info["checks_total"] for e in episodes} == {True}
+    assert all(e.messages[-1]["content"] == "<answer>done</answer>" for e in episodes)
