@@ -474,10 +474,7 @@ class GRPO(Trainer):
             model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(model.peft_config[active]))
             weights = get_peft_model_state_dict(model, adapter_name=active)
             set_peft_model_state_dict(model, weights, adapter_name=REFERENCE_ADAPTER)
-            model.set_adapter(active)  # add_adapter leaves the active one; be explicit
-            for name, param in model.named_parameters():
-                if f".{REFERENCE_ADAPTER}." in name:
-                    param.requires_grad_(False)
+            model.set_adapter(active)  # peft: the active adapter trains, the copy is frozen
             self.reference_adapter = REFERENCE_ADAPTER
 
     @property
@@ -549,10 +546,7 @@ class GRPO(Trainer):
         try:
             yield
         finally:
-            policy.set_adapter(active)
-            for name, param in policy.named_parameters():  # as _before_adapters left them
-                if f".{self.reference_adapter}." in name:
-                    param.requires_grad_(False)
+            policy.set_adapter(active)  # the trained adapter active and trainable again
 
     def _global(self, values: list[float], reduction: str) -> list[float]:
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
@@ -729,11 +723,11 @@ class GRPO(Trainer):
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """``compute_advantages`` with this config; global_mean's stats over every process."""
         cfg = self.config
+        if cfg.reward_clip is not None:  # clipped once, for the batch stats and the rest
+            rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
         batch_mean_std = None
         if cfg.advantage_baseline == "global_mean":
             r = rewards.double()
-            if cfg.reward_clip is not None:
-                r = r.clamp(-cfg.reward_clip, cfg.reward_clip)
             total, squares, n = self._global([r.sum(), r.square().sum(), r.numel()], "sum")
             mean = total / n
             batch_mean_std = (mean, max(squares / n - mean**2, 0.0) ** 0.5)
@@ -741,7 +735,6 @@ class GRPO(Trainer):
             rewards,
             cfg.advantage_norm,
             baseline=cfg.advantage_baseline,
-            reward_clip=cfg.reward_clip,
             batch_mean_std=batch_mean_std,
         )
 
