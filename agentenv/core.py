@@ -23,6 +23,7 @@ from agentenv.spaces import FreeText, Message, Messages
 from agentenv.tools import Tool
 
 SPLITS: tuple[str, ...] = ("train", "test")
+PROMPT_STYLES: tuple[str, ...] = ("full", "compact")
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,10 @@ class ToolEnv(TextEnv):
         max_output_chars: Longest tool output shown to the model.
         system_prompt: Replaces the whole generated system prompt (instructions plus
             tool descriptions) with this text, e.g. a compact one for small models.
+        prompt_style: ``"full"`` (instructions plus every tool's JSON schema) or
+            ``"compact"`` (the env's :meth:`compact_prompt`: a few lines with one example
+            call, for small models and CPU training, where every prompt token is paid for
+            G times per task in sampling and again in the learner).
         render_mode: ``None`` or ``"ansi"``.
     """
 
@@ -143,10 +148,21 @@ class ToolEnv(TextEnv):
         tool_timeout_s: float = 10.0,
         max_output_chars: int = 2000,
         system_prompt: str | None = None,
+        prompt_style: str = "full",
         render_mode: str | None = None,
     ):
         super().__init__(split=split, render_mode=render_mode)
+        if prompt_style not in PROMPT_STYLES:
+            raise InvalidOptionError(
+                f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}"
+            )
+        if prompt_style == "compact" and type(self).compact_prompt is ToolEnv.compact_prompt:
+            raise InvalidOptionError(
+                f"{type(self).__name__} has no compact prompt; use prompt_style='full', or "
+                "pass your own text as system_prompt="
+            )
         self._system_prompt = system_prompt
+        self.prompt_style = prompt_style
         if max_turns < 1:
             raise InvalidOptionError(f"max_turns must be >= 1, got {max_turns}")
         self.tools = list(tools)
@@ -190,11 +206,22 @@ class ToolEnv(TextEnv):
         """
         return None
 
+    def compact_prompt(self) -> str | None:
+        """The system prompt of ``prompt_style="compact"``; ``None``: the env has none.
+
+        Override with a few lines that show one complete tool call and the answer format.
+        """
+        return None
+
     # ---- gymnasium API ----------------------------------------------------------------
     def system_prompt(self) -> str:
-        """The full system prompt: :meth:`instructions` plus the parser's tool instructions."""
+        """The system prompt: ``system_prompt=`` if given; else :meth:`compact_prompt` for
+        ``prompt_style="compact"``; else :meth:`instructions` plus the parser's tool
+        instructions."""
         if self._system_prompt is not None:
             return self._system_prompt
+        if self.prompt_style == "compact":
+            return self.compact_prompt() or ""
         return f"{self.instructions()}\n\n{self.parser.format_instructions(self.tools)}"
 
     def reset(

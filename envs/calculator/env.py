@@ -8,7 +8,6 @@ import re
 from typing import Any
 
 from agentenv.core import Task, ToolEnv
-from agentenv.errors import InvalidOptionError
 from agentenv.parsers import ActionParser
 from agentenv.tools import tool
 from envs.calculator.safe_eval import evaluate, format_number
@@ -103,10 +102,6 @@ class CalculatorEnv(ToolEnv):
         prompt_style: str = "full",
         render_mode: str | None = None,
     ):
-        if prompt_style not in ("full", "compact"):
-            raise InvalidOptionError(
-                f"prompt_style must be 'full' or 'compact', got {prompt_style!r}"
-            )
         super().__init__(
             [calculator],
             split=split,
@@ -114,7 +109,7 @@ class CalculatorEnv(ToolEnv):
             max_turns=max_turns,
             tool_timeout_s=tool_timeout_s,
             max_output_chars=max_output_chars,
-            system_prompt=COMPACT_PROMPT if prompt_style == "compact" else None,
+            prompt_style=prompt_style,
             render_mode=render_mode,
         )
         self.source = source
@@ -136,6 +131,9 @@ class CalculatorEnv(ToolEnv):
             "You solve math problems. Use the calculator tool for every arithmetic step, "
             "then give only the final number in <answer></answer> tags."
         )
+
+    def compact_prompt(self) -> str:
+        return COMPACT_PROMPT
 
     def demonstration(self, task: Task) -> list[str] | None:
         """One calculator call with the task's expression, then the answer.

@@ -20,6 +20,15 @@ from envs.rag.qa import QAItem, check_gold_ids, load_qa_jsonl, split_items
 from envs.rag.retrieval import Hit, Retriever, unique_docs
 from envs.rag.scoring import RewardWeights, score_answer
 
+COMPACT_PROMPT = (
+    "Answer the question from a document collection; its facts are not in your memory. "
+    "Search it like this:\n"
+    '<tool_call>{"name": "search", "arguments": {"query": "founder of the Vellmark Institute"}}'
+    "</tool_call>\n"
+    "Then reply with a short answer (a name, a year or a few words): <answer>...</answer>."
+)
+"""The system prompt of ``prompt_style="compact"``."""
+
 _SEARCH_DOC = """Search the document collection and return the best-matching passages.
 
 Each passage comes numbered with its document id and title.
@@ -104,6 +113,9 @@ class RAGEnv(ToolEnv):
         parser: Action parser (default Hermes ``<tool_call>`` / ``<answer>``).
         tool_timeout_s: Wall-clock limit per search.
         max_output_chars: Longest tool output shown.
+        prompt_style: ``"full"`` (instructions plus the tool's JSON schema) or
+            ``"compact"`` (:data:`COMPACT_PROMPT`: one example search, ~80 tokens instead
+            of ~255; for small models and CPU training).
         render_mode: ``None`` or ``"ansi"``.
     """
 
@@ -140,6 +152,7 @@ class RAGEnv(ToolEnv):
         parser: ActionParser | None = None,
         tool_timeout_s: float = 10.0,
         max_output_chars: int = 3000,
+        prompt_style: str = "full",
         render_mode: str | None = None,
     ):
         _check_limits(default_k, max_k, max_searches, max_query_chars, passage_chars)
@@ -163,6 +176,7 @@ class RAGEnv(ToolEnv):
             max_turns=max_turns,
             tool_timeout_s=tool_timeout_s,
             max_output_chars=max_output_chars,
+            prompt_style=prompt_style,
             render_mode=render_mode,
         )
         if num_tasks is not None and num_tasks < 1:
@@ -279,6 +293,9 @@ class RAGEnv(ToolEnv):
             f"{self.max_searches} searches), then give a short answer (a name, a year or a "
             f"phrase of at most {self.weights.max_answer_words} words) in <answer></answer> tags."
         )
+
+    def compact_prompt(self) -> str:
+        return COMPACT_PROMPT
 
     def on_reset(self, task: Task) -> None:
         with self._lock:

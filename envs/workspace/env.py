@@ -67,6 +67,9 @@ class WorkspaceEnv(ToolEnv):
         max_turns: Actions per episode before ``truncated``.
         parser: Action parser (default Hermes ``<tool_call>`` / ``<answer>``).
         max_output_chars: Longest tool output shown to the model (head and tail kept).
+        prompt_style: ``"full"`` (instructions plus every tool's JSON schema, ~690
+            tokens) or ``"compact"`` (one example call and the tools' signatures, ~130
+            tokens; for small models and CPU training).
         render_mode: ``None`` or ``"ansi"``.
     """
 
@@ -87,6 +90,7 @@ class WorkspaceEnv(ToolEnv):
         max_turns: int = 20,
         parser: ActionParser | None = None,
         max_output_chars: int = 4000,
+        prompt_style: str = "full",
         render_mode: str | None = None,
     ):
         if limits is not None and not isinstance(limits, SandboxLimits):
@@ -112,6 +116,7 @@ class WorkspaceEnv(ToolEnv):
             # the sandbox enforces its own limit; the executor's is a backstop after it
             tool_timeout_s=self.limits.timeout_s + 15.0,
             max_output_chars=max_output_chars,
+            prompt_style=prompt_style,
             render_mode=render_mode,
         )
 
@@ -145,6 +150,21 @@ class WorkspaceEnv(ToolEnv):
             + (" plus installed packages" if self.site_packages else "")
             + ". When the task is done, reply with <answer>done</answer>: your work is "
             "checked from the files in the workspace, not from the answer text."
+        )
+
+    def compact_prompt(self) -> str:
+        signatures = ", ".join(
+            f"{t.name}({', '.join(t.parameters['properties'])})" for t in self.tools
+        )
+        return (
+            "Do the task in your workspace folder with tools. Call one like this:\n"
+            '<tool_call>{"name": "write_file", "arguments": {"path": "notes.txt", '
+            '"content": "first line\\n"}}</tool_call>\n'
+            f"Tools: {signatures}. Code runs sandboxed ({self.limits.timeout_s:g} s, Python "
+            "standard library"
+            + (" plus installed packages" if self.site_packages else "")
+            + "). When the task is done, reply with <answer>done</answer>: the files are "
+            "checked, not the answer."
         )
 
     def on_reset(self, task: Task) -> None:

@@ -148,3 +148,18 @@ def test_render_ansi_transcript_and_bad_split():
     assert "[user]\nSay 2." in text and "[assistant]" in text and "[tool]\nx" in text
     with pytest.raises(InvalidOptionError, match="split"):
         EchoEnv(split="validation")
+
+
+def test_prompt_style_compact_needs_the_envs_compact_prompt():
+    with pytest.raises(InvalidOptionError, match="EchoEnv has no compact prompt"):
+        EchoEnv(prompt_style="compact")
+    with pytest.raises(InvalidOptionError, match="prompt_style must be one of"):
+        EchoEnv(prompt_style="tiny")
+
+    class ShortEchoEnv(EchoEnv):
+        def compact_prompt(self) -> str:
+            return "Echo it."
+
+    assert ShortEchoEnv(prompt_style="compact").reset(seed=0)[0][0]["content"] == "Echo it."
+    assert ShortEchoEnv().system_prompt().startswith(EchoEnv().instructions())
+    assert ShortEchoEnv(prompt_style="compact", system_prompt="Mine.").system_prompt() == "Mine."

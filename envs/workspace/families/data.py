@@ -41,8 +41,9 @@ def _sales(rng: random.Random) -> list[dict[str, Any]]:
     return rows
 
 
-def _easy_question(rng: random.Random, rows: list[dict[str, Any]]) -> tuple[str, float, int]:
-    """(question, answer, decimals)."""
+def _easy_question(rng: random.Random, rows: list[dict[str, Any]]) -> tuple[str, float, int, str]:
+    """(question, answer, decimals, expression): ``expression`` computes the answer in Python
+    from ``rows = list(csv.DictReader(open('sales.csv')))``, for the demonstration."""
     row = rng.choice(rows)
     kind = rng.choice(("revenue", "units", "count"))
     if kind == "revenue":
@@ -53,11 +54,18 @@ def _easy_question(rng: random.Random, rows: list[dict[str, Any]]) -> tuple[str,
             f"`{region}`? Write it rounded to 2 decimal places.",
             round(value, 2),
             2,
+            f"sum(int(r['units']) * float(r['unit_price']) for r in rows "
+            f"if r['region'] == {region!r})",
         )
     if kind == "units":
         product = row["product"]
         value = sum(r["units"] for r in rows if r["product"] == product)
-        return f"How many units of `{product}` were sold in total?", value, 0
+        return (
+            f"How many units of `{product}` were sold in total?",
+            value,
+            0,
+            f"sum(int(r['units']) for r in rows if r['product'] == {product!r})",
+        )
     threshold = rng.randint(5, 15)
     region = row["region"]
     value = sum(1 for r in rows if r["region"] == region and r["units"] >= threshold)
@@ -65,6 +73,7 @@ def _easy_question(rng: random.Random, rows: list[dict[str, Any]]) -> tuple[str,
         f"How many rows (sales) in the region `{region}` have at least {threshold} units?",
         value,
         0,
+        f"sum(1 for r in rows if r['region'] == {region!r} and int(r['units']) >= {threshold})",
     )
 
 
@@ -135,7 +144,7 @@ class DataFamily:
     def generate(self, rng: random.Random, level: str) -> TaskSpec:
         if level == "easy":
             rows = _sales(rng)
-            question, answer, decimals = _easy_question(rng, rows)
+            question, answer, decimals, expression = _easy_question(rng, rows)
             buf = io.StringIO()
             writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
             writer.writeheader()
@@ -144,7 +153,13 @@ class DataFamily:
                 f"The file `sales.csv` lists sales. {question} Write only the number to "
                 "`answer.txt`."
             )
-            params = {"rows": rows, "answer": answer, "decimals": decimals, "question": question}
+            params = {
+                "rows": rows,
+                "answer": answer,
+                "decimals": decimals,
+                "question": question,
+                "expression": expression,
+            }
             return TaskSpec(prompt, {"sales.csv": buf.getvalue()}, params)
         while True:
             orders, _ = _orders(rng)
@@ -184,14 +199,17 @@ class DataFamily:
 
     def solve(self, params: dict[str, Any], files: dict[str, str]) -> list[ToolCallSpec]:
         if "rows" in params:
-            value = params["answer"]
-            text = f"{value:.2f}" if params["decimals"] else str(int(value))
+            # Computed from the file by code, never the stored answer: a demonstration that
+            # wrote the number down would teach a model to make one up.
+            text = "f'{value:.2f}'" if params["decimals"] else "str(value)"
             code = (
                 "import csv\n"
                 "rows = list(csv.DictReader(open('sales.csv')))\n"
-                f"print(len(rows), 'rows')\nopen('answer.txt', 'w').write({text!r})\n"
+                f"value = {params['expression']}\n"
+                f"open('answer.txt', 'w').write({text})\n"
+                "print(value)\n"
             )
-            return [call("read_file", path="sales.csv"), call("run_python", code=code)]
+            return [call("run_python", code=code)]
         code = (
             "import json\n"
             "orders = json.load(open('data/orders.json'))\n"

@@ -321,3 +321,17 @@ def test_demonstrations_search_then_answer_from_retrieval_only(small_env_kwargs,
     assert 0 < solved < n and 0 < len(episodes) < n  # the reader is often wrong ...
     assert abs(len(episodes) - solved) <= n // 4  # ... (tasks drawn by seed, not by index)
     assert all(e.info["correct"] and e.num_turns == 2 for e in episodes)  # only right ones
+
+
+def test_compact_prompt_shows_a_search_and_the_answer_format(small_env_kwargs, tokenizer):
+    full, compact = RAGEnv(**small_env_kwargs), RAGEnv(**small_env_kwargs, prompt_style="compact")
+    full_obs, _ = full.reset(seed=0)
+    obs, _ = compact.reset(seed=0)
+    assert obs[1] == full_obs[1]  # the question is unchanged
+    prompt = obs[0]["content"]
+    assert len(tokenizer.encode(prompt)) < 100 < len(tokenizer.encode(full_obs[0]["content"]))
+    example = prompt.split("<tool_call>")[1].split("</tool_call>")[0]
+    assert full.parser.parse(f"<tool_call>{example}</tool_call>").tool_calls[0].name == "search"
+    assert "<answer>" in prompt
+    with pytest.raises(InvalidOptionError, match="prompt_style must be one of"):
+        RAGEnv(**small_env_kwargs, prompt_style="short")

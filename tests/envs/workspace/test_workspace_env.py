@@ -266,3 +266,44 @@ def test_demonstrations_replay_the_scripted_solvers(tokenizer):
     assert len(episodes) == 8  # every family's solver passes its checker
     assert {e.info["checks_passed"] == e.info["checks_total"] for e in episodes} == {True}
     assert all(e.messages[-1]["content"] == "<answer>done</answer>" for e in episodes)
+
+
+def test_compact_prompt_names_every_tool_and_works(make_env, tokenizer):
+    env = make_env(sandbox="rlimit", prompt_style="compact", families=["files"])
+    obs, _ = env.reset(seed=0)
+    prompt = obs[0]["content"]
+    assert len(tokenizer.encode(prompt)) < 160
+    for signature in ["list_files(path)", "write_file(path, content)", "run(command)"]:
+        assert signature in prompt
+    no_shell = make_env(sandbox="rlimit", prompt_style="compact", shell=False)
+    assert "run(command)" not in no_shell.system_prompt()
+    # the example call in the prompt is a valid call of a real tool
+    example = prompt.split("<tool_call>")[1].split("</tool_call>")[0]
+    out, _ = tool_output(env, f"<tool_call>{example}</tool_call>")
+    assert not out.startswith("Error") and env.workspace.text("notes.txt") == "first line\n"
+
+
+def test_data_demonstration_computes_the_answer_from_the_file(tmp_path, monkeypatch):
+    from envs.workspace import solve_task
+    from envs.workspace.tasks import load_tasks
+
+    monkeypatch.chdir(tmp_path)
+    for task in load_tasks("train", num_tasks=30, families=["data"], levels=["easy"]):
+        params = task.metadata["params"]
+        ((call,),) = [solve_task(task)]  # one run_python call: no gold in the demonstration
+        code = call["arguments"]["code"]
+        assert call["name"] == "run_python" and f"{params['answer']:.2f}" not in code
+        # the code reads the data: doubling every row's units changes what it writes
+        rows = task.metadata["files"]["sales.csv"].splitlines()
+        header, body = rows[0], [r.split(",") for r in rows[1:]]
+        units = header.split(",").index("units")
+        for doubled in (False, True):
+            lines = [header] + [
+                ",".join(str(int(v) * 2) if doubled and i == units else v for i, v in enumerate(r))
+                for r in body
+            ]
+            (tmp_path / "sales.csv").write_text("\n".join(lines) + "\n")
+            exec(code, {"__name__": "demo"})  # noqa: S102 (our own generated code)
+            value = float((tmp_path / "answer.txt").read_text())
+            if "sum(1 for" not in params["expression"]:  # a count is not linear in units
+                assert value == pytest.approx(params["answer"] * (1 + doubled), abs=0.011)
