@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import agentenv
 from agentenv import config as config_lib
 from agentenv.cli import main
 from agentenv.errors import InvalidOptionError
@@ -416,3 +417,16 @@ def test_episode_and_per_turn_stats_by_hand():
     assert stats["episodes/unfinished_rate"] == 0.5 and stats["episodes/correct_rate"] == 0.5
     assert stats["turns/policy_tokens_mean"] == 40 / 4  # per policy turn
     assert stats["turns/tool_calls_mean"] == 2 / 4 and stats["turns/tool_errors_mean"] == 1 / 4
+
+
+@pytest.mark.parametrize("name", ["calculator_grpo", "rag_grpo", "workspace_grpo"])
+def test_the_example_recipes_resolve_and_their_envs_build(name):
+    path = Path(__file__).parents[2] / "examples" / f"{name}.yaml"
+    cfg = TrainConfig.resolve(path, {})
+    assert cfg.init_from and cfg.rollout.group_size >= 2 and cfg.steps > 0
+    env = agentenv.make(cfg.env_id, **cfg.env_kwargs)  # every env kwarg is a real argument
+    try:
+        obs, _ = env.reset(seed=0)
+        assert env.unwrapped.prompt_style == "compact" == cfg.env_kwargs["prompt_style"]
+    finally:
+        env.close()
