@@ -13,6 +13,7 @@ also keeps the sampler's log-probs closer to the learner's.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -78,6 +79,29 @@ def grouped_attention(
     probs = torch.softmax(scores, dim=-1)  # float32 inside, the output in the input's dtype
     out = torch.matmul(probs, value)  # (b, kv, g*q, d)
     return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
+
+
+def cached_forward(model: torch.nn.Module, cache: Any, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    """``model(**inputs, use_cache=True)`` continuing the KV ``cache`` (None: the model
+    starts its own); returns the logits and the cache (None where the model keeps none,
+    e.g. under gradient checkpointing).
+
+    transformers 5 renamed the forward's ``past_key_values`` (argument and output) to
+    ``cache`` and removes the old name in 5.40; the model's own signature says which one
+    it takes. ``model`` may be wrapped (peft, DDP): the first transformers model inside
+    it decides.
+    """
+    from transformers import PreTrainedModel
+
+    inner = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    name = _cache_argument(type(inner))
+    out = model(**inputs, **{name: cache}, use_cache=True)
+    return out.logits, out.get(name)
+
+
+@functools.cache
+def _cache_argument(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 @functools.cache

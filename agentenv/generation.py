@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-from agentenv.attention import append_cache, wants_grouped
+from agentenv.attention import append_cache, cached_forward, wants_grouped
 from agentenv.attention import register as register_grouped_attention
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
@@ -361,12 +361,9 @@ class TransformersPolicy:
             prefix = min(_common_prefix(firsts), min(len(p) for p in firsts) - 1)
             if prefix > 0:
                 ids = torch.tensor([list(firsts[0][:prefix])], device=dev)
-                cache = model(
-                    input_ids=ids,
-                    past_key_values=append_cache(model),
-                    use_cache=True,
-                    logits_to_keep=1,
-                ).past_key_values
+                _, cache = cached_forward(
+                    model, append_cache(model), input_ids=ids, logits_to_keep=1
+                )
                 cache.batch_repeat_interleave(u)
                 mask = torch.ones((u, prefix), dtype=torch.long)
                 done = [prefix] * u
@@ -379,15 +376,15 @@ class TransformersPolicy:
             new[i, width - len(r) :] = 1
         mask = torch.cat([mask, new], dim=1)  # (u, cached + width)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(
+        logits, cache = cached_forward(
+            model,
+            cache if cache is not None else append_cache(model),
             input_ids=ids.to(dev),
             attention_mask=mask.to(dev),
             position_ids=positions[:, -width:].to(dev),
-            past_key_values=cache if cache is not None else append_cache(model),
-            use_cache=True,
             logits_to_keep=1,
         )
-        cache, logits, next_pos = out.past_key_values, out.logits[:, -1], positions[:, -1] + 1
+        logits, next_pos = logits[:, -1], positions[:, -1] + 1
         if u < len(prompts):  # copies of identical prompts share one prefill
             rows = torch.tensor(index)
             cache.batch_select_indices(rows.to(dev))
@@ -469,14 +466,14 @@ class TransformersPolicy:
                 mask, next_pos, token = mask[index], next_pos[index], token[index]
                 rows = [rows[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-            out = model(
+            logits, cache = cached_forward(
+                model,
+                cache,
                 input_ids=token[:, None].to(dev),
                 attention_mask=mask.to(dev),
                 position_ids=next_pos[:, None].to(dev),
-                past_key_values=cache,
-                use_cache=True,
             )
-            cache, logits = out.past_key_values, out.logits[:, -1]
+            logits = logits[:, -1]
             next_pos = next_pos + 1
         return [
             Generation(

@@ -126,3 +126,23 @@ def test_rows_of_different_lengths_without_a_shared_prefix_have_no_nans(tiny_mod
     for a, b in zip(batch, alone, strict=True):
         assert not any(math.isnan(x) for x in a.sampler_logprobs)
         assert a.token_ids == b.token_ids
+
+
+def test_cached_forward_continues_a_prefix_and_uses_the_current_argument_name(tiny_model):
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from agentenv.attention import cached_forward
+
+    ids = torch.tensor([[5, 17, 300, 42, 9, 77, 1000]])
+    full = tiny_model(input_ids=ids).logits
+    model = get_peft_model(tiny_model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deprecated argument name would raise here
+        _, cache = cached_forward(model, None, input_ids=ids[:, :4])
+        logits, cache = cached_forward(
+            model, cache, input_ids=ids[:, 4:], position_ids=torch.arange(4, 7)[None]
+        )
+    assert cache.get_seq_length() == 7
+    torch.testing.assert_close(logits, full[:, 4:], atol=1e-5, rtol=1e-4)

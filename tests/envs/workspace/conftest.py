@@ -3,6 +3,8 @@
 Every test here runs under ``no_leftovers`` (autouse): afterwards no new
 ``agentenv-ws-*`` folder may exist and no process may be left -- neither a child of
 this process nor any process of a private uid a workspace used during the test.
+Workspaces of a test session live in a private temporary folder (``session_tempdir``),
+so a Workspace env used elsewhere on the machine meanwhile does not trip the check.
 Tests of the ``bwrap`` mode skip where bubblewrap is missing or not permitted; the
 ``rlimit`` mode always runs.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import gc
 import glob
 import os
+import shutil
 import tempfile
 import time
 
@@ -103,6 +106,18 @@ def used_uids(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(workspace_module, "allocate_uid", record)
     return uids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_tempdir():
+    """Point ``tempfile`` (and so every workspace of this session) at a private folder."""
+    path = tempfile.mkdtemp(prefix="agentenv-tests-")
+    os.chmod(path, 0o711)  # like /tmp for the sandbox's uids: traverse, not list
+    saved = tempfile.tempdir
+    tempfile.tempdir = path
+    yield path
+    tempfile.tempdir = saved
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _workspace_dirs() -> set[str]:
