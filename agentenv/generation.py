@@ -12,7 +12,9 @@ model's forward pass instead of ``model.generate``, because that lets it:
   copy (the base weights are shared with the trained model when they already are in the
   sampling dtype): merged into bfloat16 weights, most of a small update rounds away and
   the sampler would draw from another policy than the one trained. A model that already
-  is plain and in the sampling dtype is used as is (no copy).
+  is plain and in the sampling dtype is used as is (no copy). Parameters sharded by
+  FSDP2 (``fully_shard``, accelerate's ``fsdp_version: 2``) are gathered whole into the
+  copy, so every process samples from the full policy.
 * **prefill each distinct prompt once.** Identical prompts (a GRPO group's first turn)
   are prefilled once and their KV cache copied to every row; the prefix common to every
   prompt (the system prompt and tool specs) runs once with batch 1.
@@ -159,6 +161,31 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
+def _check_sharding(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``model``'s parameters (they are ``DTensor`` s); raise for the
+    shardings the sampler cannot gather (FSDP1's flat parameters, DeepSpeed ZeRO-3)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        raise InvalidOptionError(
+            "FSDP1 (FullyShardedDataParallel) flattens the parameters, which the sampler "
+            "cannot gather; use FSDP2 (accelerate config: fsdp_version: 2)"
+        )
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        raise InvalidOptionError(
+            "DeepSpeed ZeRO-3 partitions the parameters, which the sampler cannot gather "
+            "yet; use ZeRO-2 (zero_stage: 2) or FSDP2 (fsdp_version: 2)"
+        )
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` gathered whole if FSDP2 shards it (a collective), else ``t`` itself."""
+    full = getattr(t, "full_tensor", None)
+    return full().detach() if full is not None else t
+
+
 def _is_lora_layer(name: str, module: torch.nn.Module) -> bool:
     """Whether ``module`` is a peft LoRA layer the sampler can compute unmerged."""
     if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
@@ -225,7 +252,8 @@ class TransformersPolicy:
         self.pad_token_id = pad if pad is not None else self.stop_token_ids[0]
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._version: int | None = None
-        if _is_peft(model) or param.dtype != self.dtype:
+        self._sharded = _check_sharding(model)
+        if self._sharded or _is_peft(model) or param.dtype != self.dtype:
             self.model = self._plain_copy()
         else:  # already what we sample from: share it
             self.model = model
@@ -242,6 +270,8 @@ class TransformersPolicy:
         the one being trained. Frozen weights already in the sampling dtype (a LoRA run's
         base) are shared with the trained model, not copied.
         """
+        if self._sharded:
+            return self._gathered_copy()
         if not _is_peft(self.trained):
             model = copy.deepcopy(self.trained)
             return model.to(self.dtype).eval().requires_grad_(False)
@@ -257,6 +287,36 @@ class TransformersPolicy:
             copied = model.get_submodule(name).base_layer
             setattr(model.get_submodule(parent), child, _LoRALinear(copied, layer))
         return model.to(self.dtype).eval().requires_grad_(False)  # leaves _LoRALinear's A, B
+
+    @torch.no_grad()
+    def _gathered_copy(self) -> torch.nn.Module:
+        """The sampling copy of a model whose parameters FSDP2 shards: a fresh model of
+        the same config holding every parameter gathered whole (a collective: every
+        process builds its copy at the same time), LoRA layers unmerged as above."""
+        from transformers import AutoModelForCausalLM
+
+        base = self.trained.get_base_model() if _is_peft(self.trained) else self.trained
+        model = AutoModelForCausalLM.from_config(base.config, dtype=self.dtype).to(self.device)
+        state = {
+            name.replace(".base_layer.", "."): _whole(p)
+            for name, p in base.named_parameters()
+            if ".lora_" not in name
+        }
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {n for n in missing if n in (getattr(model, "_tied_weights_keys", None) or ())}
+        if unexpected or set(missing) - tied:
+            raise InvalidOptionError(
+                f"the sampler cannot rebuild this sharded model as a plain "
+                f"{type(model).__name__}: missing {sorted(set(missing) - tied)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]}; train it unsharded or with LoRA"
+            )
+        model.tie_weights()
+        for name, layer in base.named_modules():
+            if _is_lora_layer(name, layer):
+                parent, _, child = name.rpartition(".")
+                plain = model.get_submodule(name)
+                setattr(model.get_submodule(parent), child, _LoRALinear(plain, layer))
+        return model.eval().requires_grad_(False)
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -276,7 +336,7 @@ class TransformersPolicy:
                 module.load(trained.get_submodule(name))
         for name, p in trained.named_parameters():
             if p.requires_grad and name in target:  # full fine-tuning, modules_to_save
-                target[name].copy_(p)
+                target[name].copy_(_whole(p))
 
     def clear_cache(self) -> None:
         """Drop the KV caches kept for continuations (``collect`` calls it after a batch)."""
@@ -293,7 +353,10 @@ class TransformersPolicy:
             text = self._token_text[token] = self.tokenizer.decode([token])
         return any(c in text for c in finals)
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """:meth:`sync` if a trainable parameter changed since the last copy (
+        :meth:`generate` does it first). With FSDP2-sharded weights this is a collective:
+        every process calls it together, e.g. before only the main process evaluates."""
         if self._version != _trainable_version(self._trainable):
             self.sync()
 
@@ -319,7 +382,7 @@ class TransformersPolicy:
             raise InvalidOptionError(
                 f"seeds must give one seed per prompt: {len(seeds)} seeds, {len(prompts)} prompts"
             )
-        self._refresh()
+        self.refresh()
         config = self.model.config
         attention = config._attn_implementation
         if wants_grouped(self.model, self.dtype):  # see agentenv.attention
@@ -510,9 +573,9 @@ class _LoRALinear(torch.nn.Module):
         pairs = [
             (lora_layer.lora_A[a], lora_layer.lora_B[a], lora_layer.scaling[a]) for a in self.names
         ]
-        self.a = torch.cat([lora_a.weight.float() for lora_a, _, _ in pairs])
-        self.b = torch.cat([lora_b.weight.float() * s for _, lora_b, s in pairs], dim=1)
-        biases = [lora_b.bias.float() * s for _, lora_b, s in pairs if lora_b.bias is not None]
+        self.a = torch.cat([_whole(lora_a.weight).float() for lora_a, _, _ in pairs])
+        self.b = torch.cat([_whole(lora_b.weight).float() * s for _, lora_b, s in pairs], dim=1)
+        biases = [_whole(b.bias).float() * s for _, b, s in pairs if b.bias is not None]
         self.bias = torch.stack(biases).sum(0) if biases else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

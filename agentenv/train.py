@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,7 @@ def train(
     if resume and not (run_dir / "config.json").exists():
         raise InvalidOptionError(f"--resume needs an existing run in {run_dir} (no config.json)")
     world, rank = _processes()
+    check_sharding(os.environ)
     if config.batch_size % world:
         raise InvalidOptionError(
             f"batch_size={config.batch_size} must be a multiple of the {world} processes "
@@ -271,6 +273,7 @@ def train(
     def run_eval(label: str):  # noqa: ANN202
         """The main process evaluates; the others wait for it."""
         report = None
+        policy.refresh()  # every process: gathering sharded weights is a collective
         if main:
             report = evaluate(test_env, policy, fmt, eval_cfg, label=label, show_progress=False)
             report.save(run_dir / "eval" / f"{label}.json")
@@ -340,6 +343,21 @@ def _processes() -> tuple[int, int]:
     """``(world size, rank)`` of this run, from the launcher's environment (``accelerate
     launch`` and ``torchrun`` set WORLD_SIZE / RANK); ``(1, 0)`` for a plain process."""
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def check_sharding(environ: Mapping[str, str]) -> None:
+    """Refuse, before any model loads, an ``accelerate launch`` configuration whose
+    parameter sharding the checkpoints do not handle: FSDP (any version) and DeepSpeed
+    ZeRO-3 (the checkpoint protocol saves the main process's parameters as they are)."""
+    fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    zero3 = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    if fsdp or zero3:
+        name = "FSDP" if fsdp else "DeepSpeed ZeRO-3"
+        raise InvalidOptionError(
+            f"agentenv train does not checkpoint parameters sharded by {name} yet; launch "
+            "with data parallelism (accelerate launch --multi_gpu) or DeepSpeed ZeRO-2 "
+            "(zero_stage: 2), which shard only the optimizer state and gradients"
+        )
 
 
 def _maybe_load(path: Path) -> Any:

@@ -305,3 +305,10 @@ def test_next_turn_continues_from_the_saved_cache(tiny_model, tokenizer, dtype):
         assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=tol)
     policy.sync()  # new weights: the saved caches are dropped
     assert policy._saved == {}
+
+
+def test_shardings_the_sampler_cannot_gather_are_refused(tiny_model, tokenizer):
+    param = next(tiny_model.parameters())
+    param.ds_id = 0  # how DeepSpeed ZeRO-3 marks a partitioned parameter
+    with pytest.raises(InvalidOptionError, match="ZeRO-3.*fsdp_version: 2"):
+        TransformersPolicy(tiny_model, tokenizer)

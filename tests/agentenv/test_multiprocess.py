@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from agentenv.train import task_seeds, task_share
@@ -83,3 +84,24 @@ def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_
     assert moved  # it learned: B starts at zero
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-4)
+
+
+def test_the_sampler_gathers_fsdp2_sharded_lora_weights():
+    """tests/helpers/fsdp2_sampler.py under torchrun: 2 CPU processes shard a tiny LoRA
+    model with torch's fully_shard; each sampler copy must hold the whole policy."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    script = ROOT / "tests" / "helpers" / "fsdp2_sampler.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.split("\n")[:-1]) == ["ok 0", "ok 1"]
+
+
+def test_sharding_that_checkpoints_cannot_save_is_refused_before_loading():
+    from agentenv.errors import InvalidOptionError
+    from agentenv.train import check_sharding
+
+    check_sharding({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})  # ZeRO-2: fine
+    for environ in ({"ACCELERATE_USE_FSDP": "true"}, {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}):
+        with pytest.raises(InvalidOptionError, match="ZeRO-2"):
+            check_sharding(environ)
