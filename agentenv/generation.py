@@ -296,7 +296,8 @@ class TransformersPolicy:
         from transformers import AutoModelForCausalLM
 
         base = self.trained.get_base_model() if _is_peft(self.trained) else self.trained
-        model = AutoModelForCausalLM.from_config(base.config, dtype=self.dtype).to(self.device)
+        with torch.device(self.device):  # initialised where it runs, then overwritten
+            model = AutoModelForCausalLM.from_config(base.config, dtype=self.dtype)
         state = {
             name.replace(".base_layer.", "."): _whole(p)
             for name, p in base.named_parameters()
