@@ -68,8 +68,8 @@ class WorkspaceEnv(ToolEnv):
         parser: Action parser (default Hermes ``<tool_call>`` / ``<answer>``).
         max_output_chars: Longest tool output shown to the model (head and tail kept).
         prompt_style: ``"full"`` (instructions plus every tool's JSON schema, ~690
-            tokens) or ``"compact"`` (one example call and the tools' signatures, ~130
-            tokens; for small models and CPU training).
+            tokens) or ``"compact"`` (one harmless example call, ``list_files``, and the
+            tools' signatures, ~125 tokens; for small models and CPU training).
         render_mode: ``None`` or ``"ansi"``.
     """
 
@@ -158,8 +158,7 @@ class WorkspaceEnv(ToolEnv):
         )
         return (
             "Do the task in your workspace folder with tools. Call one like this:\n"
-            '<tool_call>{"name": "write_file", "arguments": {"path": "notes.txt", '
-            '"content": "first line\\n"}}</tool_call>\n'
+            '<tool_call>{"name": "list_files", "arguments": {"path": "."}}</tool_call>\n'
             f"Tools: {signatures}. Code runs sandboxed ({self.limits.timeout_s:g} s, Python "
             "standard library"
             + (" plus installed packages" if self.site_packages else "")

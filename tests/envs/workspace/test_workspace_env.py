@@ -279,8 +279,10 @@ def test_compact_prompt_names_every_tool_and_works(make_env, tokenizer):
     assert "run(command)" not in no_shell.system_prompt()
     # the example call in the prompt is a valid call of a real tool
     example = prompt.split("<tool_call>")[1].split("</tool_call>")[0]
+    files = env.task.metadata["files"]
     out, _ = tool_output(env, f"<tool_call>{example}</tool_call>")
-    assert not out.startswith("Error") and env.workspace.text("notes.txt") == "first line\n"
+    assert not out.startswith("Error")  # a harmless call: it lists the task's files
+    assert out.splitlines() == [f"{name} ({len(text)} bytes)" for name, text in files.items()]
 
 
 def test_data_demonstration_computes_the_answer_from_the_file(tmp_path, monkeypatch):
