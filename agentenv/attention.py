@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 CPU_BF16_ATTENTION = "agentenv_cpu_bf16"  # registered with transformers on first use
@@ -91,8 +92,6 @@ def cached_forward(model: torch.nn.Module, cache: Any, **inputs: Any) -> tuple[t
     it takes. ``model`` may be wrapped (peft, DDP): the first transformers model inside
     it decides.
     """
-    from transformers import PreTrainedModel
-
     inner = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
     name = _cache_argument(type(inner))
     out = model(**inputs, **{name: cache}, use_cache=True)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -201,6 +201,21 @@ def _is_lora_layer(name: str, module: torch.nn.Module) -> bool:
     return bool(adapters)
 
 
+def _unmerge_lora(
+    model: torch.nn.Module,
+    base: torch.nn.Module,
+    frozen: Callable[[torch.nn.Module], torch.nn.Module],
+) -> None:
+    """Put a :class:`_LoRALinear` in ``model`` wherever ``base`` (the trained peft base
+    model) has a LoRA layer; ``frozen`` picks the frozen linear layer out of ``model``'s
+    module at that path."""
+    for name, layer in base.named_modules():
+        if _is_lora_layer(name, layer):
+            parent, _, child = name.rpartition(".")
+            linear = frozen(model.get_submodule(name))
+            setattr(model.get_submodule(parent), child, _LoRALinear(linear, layer))
+
+
 def _trainable_version(params: Sequence[torch.Tensor]) -> int:
     """A number that changes whenever one of ``params`` is modified in place."""
     return sum(getattr(p, "_version", 0) for p in params)
@@ -281,11 +296,7 @@ class TransformersPolicy:
         # adapters: not copied either, their layers are replaced by _LoRALinear below
         shared |= {id(p): p for n, p in base.named_parameters() if ".lora_" in n}
         model = copy.deepcopy(base, memo=shared)
-        lora = {n: m for n, m in base.named_modules() if _is_lora_layer(n, m)}
-        for name, layer in lora.items():
-            parent, _, child = name.rpartition(".")
-            copied = model.get_submodule(name).base_layer
-            setattr(model.get_submodule(parent), child, _LoRALinear(copied, layer))
+        _unmerge_lora(model, base, lambda copied: copied.base_layer)
         return model.to(self.dtype).eval().requires_grad_(False)  # leaves _LoRALinear's A, B
 
     @torch.no_grad()
@@ -312,11 +323,7 @@ class TransformersPolicy:
                 f"unexpected {sorted(unexpected)[:3]}; train it unsharded or with LoRA"
             )
         model.tie_weights()
-        for name, layer in base.named_modules():
-            if _is_lora_layer(name, layer):
-                parent, _, child = name.rpartition(".")
-                plain = model.get_submodule(name)
-                setattr(model.get_submodule(parent), child, _LoRALinear(plain, layer))
+        _unmerge_lora(model, base, lambda plain: plain)  # a plain rebuild: no base_layer
         return model.eval().requires_grad_(False)
 
     @torch.no_grad()
