@@ -156,8 +156,9 @@ class _HeadLogprobs(torch.autograd.Function):
                 probs.div_(ctx.temperature)
             probs.sub_(probs.amax(-1, keepdim=True)).exp_()
             probs.div_(probs.sum(-1, keepdim=True))  # softmax
-            grad = probs.mul_(-grad_logp.float().unsqueeze(-1))  # (c, V): g * (onehot - p)
-            grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.float().unsqueeze(-1))
+            g = grad_logp.float().unsqueeze(-1)  # (c, 1)
+            grad = probs.mul_(-g)  # (c, V): g * (onehot - p)
+            grad.scatter_add_(-1, targets.unsqueeze(-1), g)
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
             grad = grad.to(dt)
@@ -276,10 +277,8 @@ def forward_logprobs(
                 linear.bias,
                 rows_t[s : s + chunk_tokens],
             )
-            if torch.is_grad_enabled() and not entropy_grad:  # one fused softmax per pass
-                parts.append(_HeadLogprobs.apply(*args, temperature, with_entropy))
-            elif torch.is_grad_enabled():  # keep only the hidden chunk; recompute logits later
-                parts.append(
+            if entropy_grad and torch.is_grad_enabled():  # an entropy bonus: autograd,
+                parts.append(  # keeping only the hidden chunk (logits recomputed later)
                     checkpoint(
                         _chunk_logprobs,
                         *args,
@@ -289,8 +288,8 @@ def forward_logprobs(
                         use_reentrant=False,
                     )
                 )
-            else:
-                parts.append(_chunk_logprobs(*args, temperature, with_entropy))
+            else:  # one fused softmax pass (no graph kept under no_grad)
+                parts.append(_HeadLogprobs.apply(*args, temperature, with_entropy))
         zeros = hidden.new_zeros(scored.shape, dtype=torch.float32)  # (N, T-start)
         if parts:
             logp = zeros.masked_scatter(scored, torch.cat([p[0] for p in parts]))
