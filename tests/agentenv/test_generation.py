@@ -293,7 +293,8 @@ def test_sampling_copy_packs_every_linear_and_shares_the_frozen_base(tiny_model,
     assert linears == []  # every linear layer, the LM head and LoRA base layers included
     q = policy.model.model.layers[0].self_attn.q_proj
     trained = peft_model.get_base_model().model.layers[0].self_attn.q_proj
-    assert isinstance(q, generation._LoRALinear) and isinstance(q.base_layer, generation._PackedLinear)
+    assert isinstance(q, generation._LoRALinear)
+    assert isinstance(q.base_layer, generation._PackedLinear)
     assert q.base_layer.weight is trained.base_layer.weight  # frozen base: shared, not copied
     head = policy.model.get_output_embeddings()
     assert isinstance(head, generation._PackedLinear)
