@@ -347,16 +347,20 @@ def _processes() -> tuple[int, int]:
 
 def check_sharding(environ: Mapping[str, str]) -> None:
     """Refuse, before any model loads, an ``accelerate launch`` configuration whose
-    parameter sharding the checkpoints do not handle: FSDP (any version) and DeepSpeed
-    ZeRO-3 (the checkpoint protocol saves the main process's parameters as they are)."""
+    parameter sharding the sampler and the checkpoints do not handle: FSDP1 (flat
+    parameters) and DeepSpeed ZeRO-3. FSDP2 (``fsdp_version: 2``) is gathered by both."""
     fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    zero3 = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
-    if fsdp or zero3:
-        name = "FSDP" if fsdp else "DeepSpeed ZeRO-3"
+    if fsdp and environ.get("FSDP_VERSION", "1") != "2":
         raise InvalidOptionError(
-            f"agentenv train does not checkpoint parameters sharded by {name} yet; launch "
-            "with data parallelism (accelerate launch --multi_gpu) or DeepSpeed ZeRO-2 "
-            "(zero_stage: 2), which shard only the optimizer state and gradients"
+            "agentenv train does not support FSDP1 (flat parameters the sampler cannot "
+            "gather); set fsdp_version: 2 in the accelerate config (or accelerate launch "
+            "--fsdp_version 2)"
+        )
+    if environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise InvalidOptionError(
+            "agentenv train does not checkpoint parameters sharded by DeepSpeed ZeRO-3 yet; "
+            "use FSDP2 (fsdp_version: 2) to shard parameters, or ZeRO-2 (zero_stage: 2), "
+            "which shards only the optimizer state and gradients"
         )
 
 

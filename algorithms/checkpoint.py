@@ -15,6 +15,15 @@ A checkpoint is a folder::
 Everything is written into ``<path>.tmp-<pid>`` next to the target, fsynced, marked complete
 and then renamed into place with :func:`os.replace`, so a killed run leaves either the old
 checkpoint or a ``.tmp-`` folder that :func:`latest_checkpoint` never returns.
+
+Parameters sharded by FSDP2 (``fully_shard``, accelerate's ``fsdp_version: 2``) are
+gathered whole before the main process writes (collectives: every process saves
+together), so the files are the same as an unsharded run's: the trained adapter (or the
+whole model) in Hugging Face format, and ``optimizer.pt`` as a full optimizer state keyed
+by parameter name (``torch.distributed.checkpoint.state_dict``'s format) instead of
+``optimizer.state_dict()``'s positions. Loading puts each process's shard back in place.
+Such a checkpoint resumes with or without FSDP2; one saved without sharding resumes
+without it (its optimizer state is keyed by position), or seeds a new run's weights.
 """
 
 from __future__ import annotations
@@ -32,6 +41,12 @@ import numpy as np
 import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from agentenv.errors import InvalidOptionError
 
@@ -100,25 +115,59 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``model``'s parameters (they are ``DTensor`` s)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _full_state_dict(model: torch.nn.Module, adapters_only: bool) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every sharded tensor gathered whole, on the CPU (LoRA:
+    the adapters' entries only). A collective: every process calls it, in the same order."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied: one object, 2 names
+    state, gathered = {}, {}
+    for name, value in model.state_dict().items():
+        if adapters_only and ".lora_" not in name:
+            continue
+        key = id(params.get(name, value))  # tied entries stay one tensor (saved once)
+        if key not in gathered:
+            full = getattr(value, "full_tensor", None)
+            gathered[key] = (full() if full is not None else value).detach().cpu()
+        state[name] = gathered[key]
+    return state
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
+
+
 def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
     """Write ``trainer``'s full state to the folder ``path`` atomically; return ``path``.
 
-    Only the main process writes; every process waits until the folder is in place.
+    Only the main process writes; every process waits until the folder is in place (and,
+    under FSDP2, first takes part in gathering the sharded weights and optimizer state).
     """
     path = Path(path)
     acc = trainer.accelerator
     acc.wait_for_everyone()
+    model = trainer.unwrapped_model
+    weights_state = optimizer_state = None  # None: read from the unsharded model and optimizer
+    if is_sharded(model):
+        weights_state = _full_state_dict(model, adapters_only=trainer.config.use_lora)
+        optimizer_state = get_optimizer_state_dict(model, trainer.optimizer, options=_FULL)
     if acc.is_main_process:
 
         def write(tmp: Path) -> None:
-            model = trainer.unwrapped_model
             weights = tmp / ("adapter" if trainer.config.use_lora else "model")
             if trainer.config.use_lora:  # the trained adapter only (not GRPO's reference)
-                model.save_pretrained(weights, selected_adapters=[model.active_adapter])
+                model.save_pretrained(
+                    weights, selected_adapters=[model.active_adapter], state_dict=weights_state
+                )
             else:
-                model.save_pretrained(weights)
+                model.save_pretrained(weights, state_dict=weights_state)
             trainer.tokenizer.save_pretrained(weights)  # alongside: loadable on its own
-            torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+            optimizer = optimizer_state or trainer.optimizer.state_dict()
+            torch.save(optimizer, tmp / "optimizer.pt")
             torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save(_rng_state(), tmp / "rng_state.pt")
             state = {"step": trainer.step, "config": dataclasses.asdict(trainer.config)}
@@ -157,6 +206,19 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found)[2] if found else None
 
 
+def _load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> tuple[list, list]:
+    """``model.load_state_dict(weights, strict=False)``; for FSDP2-sharded parameters each
+    process keeps its shard of the whole tensors. Returns ``(missing, unexpected)``."""
+    if not is_sharded(model):
+        return model.load_state_dict(weights, strict=False)
+    names = set(model.state_dict())
+    unexpected = [name for name in weights if name not in names]
+    known = {name: tensor for name, tensor in weights.items() if name in names}
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, known, options=options)
+    return [name for name in names if name not in weights], unexpected
+
+
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     """Copy HF safetensors weights into ``model``; only tied parameters may be absent."""
     files = sorted(folder.glob("*.safetensors"))
@@ -165,7 +227,7 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(str(file)))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = _load_weights(model, weights)
     params = model.state_dict(keep_vars=True)
     loaded = {id(params[name]) for name in weights if name in params}
     untied = [name for name in missing if id(params[name]) not in loaded]
@@ -202,14 +264,41 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
     model = trainer.unwrapped_model
     if trainer.config.use_lora:
         weights = load_file(str(path / "adapter" / "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(model, weights)
-        if result.unexpected_keys:
-            raise InvalidOptionError(
-                f"adapter in {path} has unexpected keys {result.unexpected_keys[:5]}"
-            )
+        if is_sharded(model):
+            unexpected = _load_weights(model, _with_adapter_name(model, weights))[1]
+        else:
+            unexpected = set_peft_model_state_dict(model, weights).unexpected_keys
+        if unexpected:
+            raise InvalidOptionError(f"adapter in {path} has unexpected keys {unexpected[:5]}")
     else:
         load_model_weights(model, path / "model")
-    trainer.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    if all(isinstance(key, str) for key in optimizer["state"]):  # keyed by name (FSDP2 runs)
+        set_optimizer_state_dict(
+            model, trainer.optimizer, optimizer, options=StateDictOptions(full_state_dict=True)
+        )
+    elif is_sharded(model):
+        raise InvalidOptionError(
+            f"the optimizer state in {path} is keyed by position (saved without FSDP2), which "
+            "cannot be sharded; resume it without FSDP, or start a new run with --init-from"
+        )
+    else:
+        trainer.optimizer.load_state_dict(optimizer)
     trainer.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     _set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
     trainer.step = int(state["step"])
+
+
+def _with_adapter_name(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict:
+    """A saved adapter's weights keyed like ``model``'s state dict: peft saves
+    ``...lora_A.weight`` for the model's ``...lora_A.<adapter>.weight``."""
+    marker = f".{model.active_adapter}."
+    keyed, used = {}, set()
+    for name in model.state_dict():
+        if ".lora_" in name and marker in name:
+            head, _, tail = name.rpartition(marker)
+            saved = f"{head}.{tail}"
+            if saved in weights:
+                keyed[name] = weights[saved]
+                used.add(saved)
+    return {**keyed, **{name: w for name, w in weights.items() if name not in used}}

@@ -167,7 +167,9 @@ class Trainer:
         )
         # the scheduler is not prepared: accelerate would step it once per process
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self._params = params
+        # the prepared model's own: FSDP2 replaces the parameters with sharded ones (and
+        # points the optimizer at them), so the list above would clip stale tensors
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
 
     def _before_adapters(self, model: torch.nn.Module) -> None:
         """Hook: see the model as passed in, before any adapter (GRPO's reference copy)."""

@@ -14,16 +14,18 @@ import torch
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
+FSDP2_TRAINER = ROOT / "tests" / "helpers" / "fsdp2_trainer.py"
 
 
-def run(out: Path, loss_type: str, processes: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def run(out: Path, loss_type: str, processes: int, worker: Path = WORKER) -> dict:
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])  # toy_episodes
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     if processes == 1:
-        cmd = [sys.executable, str(WORKER), str(out), loss_type]
+        cmd = [sys.executable, str(worker), str(out), *loss_type.split()]
     else:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(processes), str(WORKER), str(out), loss_type,
+            "--nproc_per_node", str(processes), str(worker), str(out), *loss_type.split(),
         ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,3 +43,48 @@ def test_two_processes_give_the_one_process_update(tmp_path, loss_type):
     for name, g in one["grads"].items():
         scale = g.abs().max().item()
         torch.testing.assert_close(two["grads"][name], g, atol=1e-5 * scale + 1e-12, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full", "lora_kl"])
+def test_fsdp2_checkpoints_hold_the_one_process_weights_and_resume(tmp_path, kind):
+    """accelerate's FSDP2 on 2 CPU processes (tests/helpers/fsdp2_trainer.py): 2 GRPO steps,
+    a checkpoint, a resumed third step. The checkpoint's weights, the weights after the
+    resumed step and every step's loss and grad norm equal those of one unsharded process
+    on the same batch; the checkpoint also resumes in a plain process."""
+    from fsdp2_trainer import config as fsdp2_config
+
+    from agentenv.models import load_tokenizer, tiny_model
+    from algorithms.grpo import GRPO
+
+    one = run(tmp_path / "one.pt", f"plain {kind}", 1, FSDP2_TRAINER)
+    two = run(tmp_path / "two.pt", f"fsdp2 {kind}", 2, FSDP2_TRAINER)
+    assert (one["world"], two["world"]) == (1, 2)
+    assert one["keys"] == ["int"] and two["keys"] == ["str"]  # by position / by name
+    assert one["steps"] == two["steps"] == [2.0]  # AdamW's state after 2 steps
+    for a, b in zip(one["metrics"], two["metrics"], strict=True):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4) and a["grad_norm"] > 0
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
+    # weights within 1% of one AdamW step (lr 1e-2): Adam divides by sqrt(v), which turns
+    # the reduction's rounding on a near-zero gradient into a visible update difference
+    close = {"atol": 1e-4, "rtol": 1e-4}
+    assert one["saved"].keys() == two["saved"].keys() and one["saved"]
+    for name, w in one["saved"].items():
+        torch.testing.assert_close(two["saved"][name], w, **close)
+    assert one["after"].keys() == two["after"].keys()
+    moved = 0.0
+    for name, w in one["after"].items():
+        torch.testing.assert_close(two["after"][name], w, **close)
+        key = name.replace(".default.", ".")  # peft saves adapters without their name
+        if key in one["saved"]:
+            moved += (w - one["saved"][key]).abs().sum().item()
+    assert moved > 0  # the resumed third step changed the loaded weights
+
+    if kind == "lora_kl":
+        assert all(m["kl"] > 0 for m in two["metrics"][1:])  # the KL term is live
+    tokenizer = load_tokenizer()  # the FSDP2 checkpoint resumes without sharding too
+    torch.manual_seed(0)
+    plain = GRPO(tiny_model(tokenizer), tokenizer, fsdp2_config(kind), seed=1)
+    plain.load(tmp_path / "two.ckpt")
+    assert plain.step == 2
+    state = plain.optimizer.state_dict()["state"]
+    assert state and all(float(s["step"]) == 2.0 for s in state.values())

@@ -1,0 +1,95 @@
+"""GRPO checkpoints under accelerate's FSDP2: run as ``torchrun --nproc_per_node 2
+fsdp2_trainer.py OUT fsdp2`` (or as one plain process: ``python fsdp2_trainer.py OUT plain``).
+
+accelerate runs FSDP only on GPUs; on CPU processes its state says MULTI_CPU. Here the
+state is switched to FSDP with an FSDP2 plugin before anything is prepared, so
+accelerate's own FSDP2 code runs on gloo: ``prepare`` shards the model with
+``fully_shard`` (one unit per decoder layer) and points the optimizer at the sharded
+parameters, ``no_sync`` and ``clip_grad_norm_`` take the FSDP2 paths.
+
+Every process builds the same tiny model (argv's kind: ``lora``, ``full`` fine-tuning, or
+``lora_kl``: LoRA with a KL term to the adapter-disabled base) and the same 4 groups; each
+learns on its share for 2 steps and saves a checkpoint; a second trainer, built with another
+LoRA init, loads it and learns a third step. The main process writes the saved weights, the
+weights after the third step (gathered) and each step's metrics to OUT.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from safetensors.torch import load_file
+from toy_episodes import toy_groups
+
+from agentenv.models import load_tokenizer, tiny_model
+from algorithms.grpo import GRPO, GRPOConfig
+
+
+def accelerator(mode: str) -> Accelerator:
+    acc = Accelerator(cpu=True)
+    if mode == "fsdp2":
+        acc.state.distributed_type = DistributedType.FSDP
+        acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+            cpu_ram_efficient_loading=False,
+        )
+    return acc
+
+
+def config(kind: str) -> GRPOConfig:
+    """lora, full (fine-tuning) or lora_kl (beta > 0: the adapter-disabled reference)."""
+    beta = 0.1 if kind == "lora_kl" else 0.0
+    return GRPOConfig(use_lora=kind != "full", beta=beta, learning_rate=1e-2, micro_batch_tokens=40)
+
+
+def trainer(acc: Accelerator, tokenizer, kind: str, seed: int) -> GRPO:
+    torch.manual_seed(0)  # the same base weights in every process and every trainer
+    model = tiny_model(tokenizer)
+    return GRPO(model, tokenizer, config(kind), accelerator=acc, seed=seed)
+
+
+def whole(algo: GRPO) -> dict[str, torch.Tensor]:
+    """The trained weights, gathered whole (a collective)."""
+    out = {}
+    for name, p in algo.unwrapped_model.named_parameters():
+        if p.requires_grad:
+            full = getattr(p, "full_tensor", None)
+            out[name] = (full() if full is not None else p).detach().clone()
+    return out
+
+
+def main(out: str, mode: str, kind: str) -> None:
+    acc = accelerator(mode)
+    tokenizer = load_tokenizer()
+    use_lora = kind != "full"
+    rank, world = acc.process_index, acc.num_processes
+    mine = toy_groups()[rank::world]
+    algo = trainer(acc, tokenizer, kind, seed=0)
+    assert (mode == "fsdp2") == (type(algo._params[0]).__name__ == "DTensor")
+    metrics = [algo.learn(mine), algo.learn(mine)]
+    folder = Path(out).with_suffix(".ckpt")
+    algo.save(folder)
+    resumed = trainer(acc, tokenizer, kind, seed=1)  # another LoRA init: load must win
+    resumed.load(folder)
+    metrics.append(resumed.learn(mine))
+    after = whole(resumed)
+    if acc.is_main_process:
+        name = "adapter/adapter_model.safetensors" if use_lora else "model/model.safetensors"
+        saved = load_file(str(folder / name))
+        optimizer = torch.load(folder / "optimizer.pt", weights_only=True)["state"]
+        state = {
+            "keys": sorted({type(key).__name__ for key in optimizer}),
+            "steps": sorted({float(s["step"]) for s in optimizer.values()}),
+        }
+        torch.save(
+            {"saved": saved, "after": after, "metrics": metrics, "world": world, **state}, out
+        )
+    acc.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "lora")
