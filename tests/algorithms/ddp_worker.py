@@ -7,7 +7,7 @@ its share (``groups[rank::world]``) and rank 0 saves the summed gradient and the
 import sys
 
 import torch
-from toy_episodes import toy_groups
+from toy_episodes import TOY_REWARDS, make_groups
 
 from agentenv.models import load_tokenizer, tiny_model
 from algorithms.grpo import GRPO, GRPOConfig
@@ -18,7 +18,7 @@ def main(out_path: str, loss_type: str) -> None:
     cfg = GRPOConfig(loss_type=loss_type, use_lora=False, learning_rate=1e-3, micro_batch_tokens=40)
     algo = GRPO(tiny_model(tokenizer), tokenizer, cfg)
     rank, world = algo.accelerator.process_index, algo.accelerator.num_processes
-    mine = toy_groups()[rank::world]
+    mine = make_groups(TOY_REWARDS)[rank::world]
     metrics = algo.learn(mine)
     if rank == 0:
         grads = {n: p.grad.clone() for n, p in algo.unwrapped_model.named_parameters()}

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import random
 from types import SimpleNamespace
 
 import pytest
 import torch
-from toy_episodes import Ep
+from toy_episodes import Ep, make_groups
 
 from agentenv.errors import InvalidOptionError
 from algorithms.grpo import (
@@ -48,22 +47,6 @@ KL_REWARD_KEYS = {"rewards/kl_penalty_mean"}
 
 # peft 0.21 reads a property transformers 5.23 deprecated; nothing for us to act on
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-
-
-def make_groups(rewards: list[list[float]], seed: int = 0) -> list[list[Ep]]:
-    """Episodes of 10-20 tokens: prompt, policy turn, environment turn, policy turn."""
-    rng = random.Random(seed)
-    groups = []
-    for group in rewards:
-        episodes = []
-        for reward in group:
-            p, a1, env, a2 = rng.randint(3, 5), rng.randint(2, 5), rng.randint(2, 4), 3
-            mask = [0] * p + [1] * a1 + [0] * env + [1] * a2
-            ids = [rng.randint(100, 5000) for _ in mask]
-            logprobs = [-rng.uniform(8, 12) if m else 0.0 for m in mask]
-            episodes.append(Ep(ids, mask, logprobs, float(reward)))
-        groups.append(episodes)
-    return groups
 
 
 def config(**overrides) -> GRPOConfig:

@@ -1,5 +1,6 @@
-"""GRPO checkpoints under accelerate's FSDP2: run as ``torchrun --nproc_per_node 2
-fsdp2_trainer.py OUT fsdp2`` (or as one plain process: ``python fsdp2_trainer.py OUT plain``).
+"""GRPO checkpoints under accelerate's FSDP2. Run as ``torchrun --nproc_per_node 2
+fsdp2_trainer.py OUT fsdp2 KIND``, or as one unsharded process: ``python fsdp2_trainer.py
+OUT plain KIND``.
 
 accelerate runs FSDP only on GPUs; on CPU processes its state says MULTI_CPU. Here the
 state is switched to FSDP with an FSDP2 plugin before anything is prepared, so
@@ -10,8 +11,9 @@ parameters, ``no_sync`` and ``clip_grad_norm_`` take the FSDP2 paths.
 Every process builds the same tiny model (argv's kind: ``lora``, ``full`` fine-tuning, or
 ``lora_kl``: LoRA with a KL term to the adapter-disabled base) and the same 4 groups; each
 learns on its share for 2 steps and saves a checkpoint; a second trainer, built with another
-LoRA init, loads it and learns a third step. The main process writes the saved weights, the
-weights after the third step (gathered) and each step's metrics to OUT.
+LoRA init, loads it and learns a third step, then samples greedily through
+``TransformersPolicy``. The main process writes the saved weights, the weights after the
+third step (gathered), each step's metrics and the sampled tokens and log-probs to OUT.
 """
 
 import sys
@@ -21,10 +23,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
-from toy_episodes import toy_groups
+from toy_episodes import TOY_REWARDS, make_groups
 
+from agentenv.generation import SamplingConfig, TransformersPolicy
 from agentenv.models import load_tokenizer, tiny_model
 from algorithms.grpo import GRPO, GRPOConfig
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 
 
 def accelerator(mode: str) -> Accelerator:
@@ -67,7 +72,7 @@ def main(out: str, mode: str, kind: str) -> None:
     tokenizer = load_tokenizer()
     use_lora = kind != "full"
     rank, world = acc.process_index, acc.num_processes
-    mine = toy_groups()[rank::world]
+    mine = make_groups(TOY_REWARDS)[rank::world]
     algo = trainer(acc, tokenizer, kind, seed=0)
     assert (mode == "fsdp2") == (type(algo._params[0]).__name__ == "DTensor")
     metrics = [algo.learn(mine), algo.learn(mine)]
@@ -75,8 +80,14 @@ def main(out: str, mode: str, kind: str) -> None:
     algo.save(folder)
     resumed = trainer(acc, tokenizer, kind, seed=1)  # another LoRA init: load must win
     resumed.load(folder)
+    # the sampler of the sharded model gathers the whole policy (a collective), built
+    # before the third step: generate() must notice the optimizer step and gather again
+    policy = TransformersPolicy(resumed.unwrapped_model, tokenizer, dtype="float32")
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0, stop_strings=[])
+    policy.generate(PROMPTS, greedy)
     metrics.append(resumed.learn(mine))
     after = whole(resumed)
+    sampled = [(g.token_ids, g.sampler_logprobs) for g in policy.generate(PROMPTS, greedy)]
     if acc.is_main_process:
         name = "adapter/adapter_model.safetensors" if use_lora else "model/model.safetensors"
         saved = load_file(str(folder / name))
@@ -86,7 +97,15 @@ def main(out: str, mode: str, kind: str) -> None:
             "steps": sorted({float(s["step"]) for s in optimizer.values()}),
         }
         torch.save(
-            {"saved": saved, "after": after, "metrics": metrics, "world": world, **state}, out
+            {
+                "saved": saved,
+                "after": after,
+                "metrics": metrics,
+                "sampled": sampled,
+                "world": world,
+                **state,
+            },
+            out,
         )
     acc.wait_for_everyone()
 
