@@ -43,6 +43,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -115,6 +116,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP2 shards ``model``'s parameters (they are ``DTensor`` s)."""
     from torch.distributed.tensor import DTensor
@@ -123,22 +127,23 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def _full_state_dict(model: torch.nn.Module, adapters_only: bool) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every sharded tensor gathered whole, on the CPU (LoRA:
-    the adapters' entries only). A collective: every process calls it, in the same order."""
-    params = dict(model.named_parameters(remove_duplicate=False))  # tied: one object, 2 names
-    state, gathered = {}, {}
-    for name, value in model.state_dict().items():
-        if adapters_only and ".lora_" not in name:
-            continue
-        key = id(params.get(name, value))  # tied entries stay one tensor (saved once)
-        if key not in gathered:
-            full = getattr(value, "full_tensor", None)
-            gathered[key] = (full() if full is not None else value).detach().cpu()
-        state[name] = gathered[key]
+    """``model.state_dict()`` with every sharded tensor gathered whole, on the CPU. A
+    collective: every process calls it. LoRA: the adapters' entries, gathered by every
+    process (they are small); full fine-tuning: the whole model, to the main process only
+    (the others get an empty dict)."""
+    if adapters_only:
+        state = {}
+        for name, value in model.state_dict().items():
+            if ".lora_" in name:
+                full = getattr(value, "full_tensor", None)
+                state[name] = (full() if full is not None else value).detach().cpu()
+    else:
+        state = get_model_state_dict(model, options=_FULL)
+    shared: dict[int, torch.Tensor] = {}  # tied parameters: one tensor under all their
+    for name, param in model.named_parameters(remove_duplicate=False):  # names, so
+        if name in state:  # save_pretrained writes it once, as for an unsharded model
+            state[name] = shared.setdefault(id(param), state[name])
     return state
-
-
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
 
 
 def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
