@@ -17,15 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 FSDP2_TRAINER = ROOT / "tests" / "helpers" / "fsdp2_trainer.py"
 
 
-def run(out: Path, loss_type: str, processes: int, worker: Path = WORKER) -> dict:
+def run(out: Path, args: str, processes: int, worker: Path = WORKER) -> dict:
+    """Run ``worker OUT *args`` in ``processes`` processes; return what it saved to OUT."""
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])  # toy_episodes
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     if processes == 1:
-        cmd = [sys.executable, str(worker), str(out), *loss_type.split()]
+        cmd = [sys.executable, str(worker), str(out), *args.split()]
     else:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(processes), str(worker), str(out), *loss_type.split(),
+            "--nproc_per_node", str(processes), str(worker), str(out), *args.split(),
         ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

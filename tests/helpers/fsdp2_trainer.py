@@ -25,7 +25,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
 from toy_episodes import TOY_REWARDS, make_groups
 
-from agentenv.generation import SamplingConfig, TransformersPolicy
+from agentenv.generation import SamplingConfig, TransformersPolicy, _whole
 from agentenv.models import load_tokenizer, tiny_model
 from algorithms.grpo import GRPO, GRPOConfig
 
@@ -59,12 +59,8 @@ def trainer(acc: Accelerator, tokenizer, kind: str, seed: int) -> GRPO:
 
 def whole(algo: GRPO) -> dict[str, torch.Tensor]:
     """The trained weights, gathered whole (a collective)."""
-    out = {}
-    for name, p in algo.unwrapped_model.named_parameters():
-        if p.requires_grad:
-            full = getattr(p, "full_tensor", None)
-            out[name] = (full() if full is not None else p).detach().clone()
-    return out
+    params = algo.unwrapped_model.named_parameters()
+    return {name: _whole(p).clone() for name, p in params if p.requires_grad}
 
 
 def main(out: str, mode: str, kind: str) -> None:
