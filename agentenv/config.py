@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agentenv.errors import InvalidOptionError
-from agentenv.models import DEFAULT_MODEL
+from agentenv.lm.models import DEFAULT_MODEL
 
 T = TypeVar("T")
 
@@ -280,7 +280,7 @@ class CommandConfig:
     )
 
     def __post_init__(self) -> None:
-        from agentenv.generation import resolve_dtype
+        from agentenv.lm.generation import resolve_dtype
 
         coerce_sections(self)
         resolve_dtype(self.dtype, self.device or "cpu")

@@ -4,7 +4,7 @@ Every error a user can trigger derives from :class:`AgentEnvError` and says what
 was wrong and how to fix it ("expected X, got Y; do Z").
 
 Tool failures inside an episode are *not* raised: the executor turns them into an
-observation the model can read (see :mod:`agentenv.tools`). The tool errors here
+observation the model can read (see :mod:`agentenv.env.tools`). The tool errors here
 are used internally and recorded by type in ``info``.
 """
 

@@ -65,10 +65,10 @@ from accelerate import Accelerator
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 from agentenv.config import option
-from agentenv.episode import collate
 from agentenv.errors import InvalidOptionError
+from agentenv.lm.precision import autocast
+from agentenv.rollout.episode import collate
 from algorithms.logprobs import forward_logprobs, token_logprobs
-from algorithms.precision import autocast
 from algorithms.rewards import REWARD_COMBINATIONS, combine_rewards
 from algorithms.trainer import Trainer, TrainerConfig
 
@@ -89,7 +89,7 @@ class SamplingLike(Protocol):
 
 
 class EpisodeLike(Protocol):
-    """What :meth:`GRPO.learn` reads from an episode (``agentenv.episode.Episode`` has it)."""
+    """What :meth:`GRPO.learn` reads from an episode (``agentenv.rollout.episode.Episode``)."""
 
     input_ids: list[int]  # the whole episode: prompt, policy and environment tokens
     action_mask: list[int]  # 1 exactly on tokens the policy sampled
@@ -372,7 +372,7 @@ class MicroBatch:
         pad_token_id: int,
         device: torch.device | str | None = None,
     ) -> MicroBatch:
-        """Right-padded tensors of :func:`agentenv.episode.collate` (the one collate), on
+        """Right-padded tensors of :func:`agentenv.rollout.episode.collate` (the one collate), on
         ``device``."""
         batch = collate(episodes, advantages, pad_token_id)
         return cls(
@@ -508,7 +508,7 @@ class GRPO(Trainer):
                     f"expected an episode with >= 2 tokens, equally long input_ids, "
                     f"action_mask and sampler_logprobs and action_mask[0] == 0, got lengths "
                     f"{n}/{len(ep.action_mask)}/{len(ep.sampler_logprobs)}; build it with "
-                    "agentenv.episode"
+                    "agentenv.rollout.episode"
                 )
         return episodes
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from agentenv.attention import cached_forward
+from agentenv.lm.attention import cached_forward
 
 CHUNK_TOKENS = 256  # LM-head positions per chunk: 256 x 49152 float32 logits = 50 MB (measured
 # on a 2-core CPU: 256 is as fast as 1024 and 0.3 GB leaner in a GRPO step)

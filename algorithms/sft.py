@@ -2,7 +2,7 @@
 
 The warm start of the data -> SFT -> GRPO -> eval pipeline. It consumes the same
 tokenized episodes as :mod:`algorithms.grpo` (e.g. expert demonstrations replayed
-through an env by ``agentenv.demos``), so the loss sees exactly the tokens and masks
+through an env by ``agentenv.rollout.demos``), so the loss sees exactly the tokens and masks
 RL will see: prompt, tool results and template scaffolding are masked out.
 
     loss = -sum_t mask_t * log p(x_t | x_<t) / sum_t mask_t      (over the whole batch)
@@ -20,11 +20,11 @@ import torch
 from accelerate import Accelerator
 
 from agentenv.config import option
-from agentenv.episode import collate
 from agentenv.errors import InvalidOptionError
+from agentenv.lm.precision import autocast
+from agentenv.rollout.episode import collate
 from algorithms.grpo import EpisodeLike, pack_micro_batches
 from algorithms.logprobs import token_logprobs
-from algorithms.precision import autocast
 from algorithms.trainer import Trainer, TrainerConfig, check_schedule
 
 

@@ -25,11 +25,11 @@ from accelerate import Accelerator
 from peft import PeftModel
 from transformers import get_scheduler
 
-from agentenv.attention import use_cpu_bf16_attention
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
+from agentenv.lm.attention import use_cpu_bf16_attention
+from agentenv.lm.precision import compute_dtype
 from algorithms.lora import apply_lora
-from algorithms.precision import compute_dtype
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -42,7 +42,7 @@ def default_accelerator(model: torch.nn.Module) -> Accelerator:
     launch`` several CPU processes then train as one (gloo DDP); a plain ``Accelerator()``
     would treat each as a lone process without a GPU, and would move a CPU model to a GPU
     if there is one. Mixed precision is not the accelerator's business here (see
-    :mod:`algorithms.precision`).
+    :mod:`agentenv.lm.precision`).
     """
     param = next(model.parameters(), None)
     return Accelerator(cpu=param is not None and param.device.type == "cpu")
@@ -111,7 +111,7 @@ class Trainer:
         optimizer, scheduler: AdamW over trainable parameters and its LR schedule.
         step: Number of completed optimizer steps (restored by :meth:`load`).
         dtype: Compute dtype of every forward (``dtype=`` or the model's weights' dtype;
-            see :mod:`algorithms.precision`).
+            see :mod:`agentenv.lm.precision`).
     """
 
     def __init__(

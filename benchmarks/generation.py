@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list[list[int]], list[str]]:
     """The batch's token prompts and the env's stop strings."""
     import agentenv
-    from agentenv.episode import ChatFormat
+    from agentenv.rollout.episode import ChatFormat
 
     env = agentenv.make("Calculator-v0", split="train", source=args.source)
     fmt = ChatFormat(tokenizer)
@@ -112,8 +112,8 @@ def hf_generate(model: Any, tokenizer: Any, batch: list[list[int]], args: Any, *
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from agentenv import models
-    from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
+    from agentenv.lm import models
+    from agentenv.lm.generation import SamplingConfig, TransformersPolicy, resolve_dtype
     from algorithms.lora import apply_lora
     from algorithms.trainer import LORA_TARGETS
 

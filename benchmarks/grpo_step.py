@@ -181,11 +181,11 @@ def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
     """Setup, then ``steps`` x (collect + learn), timed per phase."""
     import torch
 
-    from agentenv import models
-    from agentenv.episode import ChatFormat
-    from agentenv.generation import SamplingConfig, TransformersPolicy, resolve_dtype
-    from agentenv.rollout import RolloutConfig, collect
-    from agentenv.train import training_dtype
+    from agentenv.lm import models
+    from agentenv.lm.generation import SamplingConfig, TransformersPolicy, resolve_dtype
+    from agentenv.rollout.collect import RolloutConfig, collect
+    from agentenv.rollout.episode import ChatFormat
+    from agentenv.run.train import training_dtype
     from algorithms.grpo import GRPO, GRPOConfig
 
     t0 = time.perf_counter()
@@ -375,7 +375,7 @@ def _reward_fn(env: Any, reward_noise: float) -> Any:
 
 def _compute_dtype(args: argparse.Namespace) -> str:
     """``--dtype`` resolved on this machine: the same compute dtype for both systems."""
-    from agentenv.generation import resolve_dtype
+    from agentenv.lm.generation import resolve_dtype
 
     return str(resolve_dtype(args.dtype, args.device)).removeprefix("torch.")
 
@@ -426,7 +426,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig
 
-    from agentenv import models
+    from agentenv.lm import models
     from envs.calculator import calculator
 
     t0 = time.perf_counter()

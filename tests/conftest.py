@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tokenizer():
     """The real SmolLM2-135M-Instruct tokenizer (left padding, pad = ``<|im_end|>``)."""
-    from agentenv.models import load_tokenizer
+    from agentenv.lm.models import load_tokenizer
 
     return load_tokenizer()
 
@@ -23,7 +23,7 @@ def tokenizer():
 @pytest.fixture
 def tiny_model(tokenizer):
     """A fresh 2-layer random Llama with SmolLM2's vocabulary (seed 0, eval mode)."""
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     return build(tokenizer)
 
@@ -35,7 +35,7 @@ def smollm2():
     Shared by the whole session: do not modify it (e.g. with peft); call ``load()`` for
     a private copy instead (about a second once cached).
     """
-    from agentenv.models import load
+    from agentenv.lm.models import load
 
     return load("smollm2-135m-instruct")
 
@@ -43,7 +43,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tokenizer, tmp_path_factory):
     """A tiny random model and SmolLM2's tokenizer saved as a local HF folder (a ``--model``)."""
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     path = tmp_path_factory.mktemp("tiny-model")
     build(tokenizer).save_pretrained(path)

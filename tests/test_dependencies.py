@@ -4,8 +4,14 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_LAYER = {"train", "warmstart", "cli"}  # the training loop and CLI import both sides
-CONTRACTS = {"agentenv.episode", "agentenv.errors", "agentenv.config", "agentenv.attention"}
+TOP_LAYER = {"train", "sft", "cli"}  # the training loop and CLI import both sides
+CONTRACTS = {
+    "agentenv.rollout.episode",
+    "agentenv.errors",
+    "agentenv.config",
+    "agentenv.lm.attention",
+    "agentenv.lm.precision",
+}
 
 
 def imports(path: Path) -> set[str]:

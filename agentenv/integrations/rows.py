@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentenv.env.registration import make
 from agentenv.errors import InvalidOptionError
-from agentenv.registration import make
 
 
 def task_rows(

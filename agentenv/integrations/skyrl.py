@@ -36,9 +36,9 @@ from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+from agentenv.env.registration import make, spec
 from agentenv.errors import InvalidOptionError
 from agentenv.integrations.rows import task_rows
-from agentenv.registration import make, spec
 
 __all__ = ["AgentEnvTextEnv", "dataset_rows", "register"]
 

@@ -23,7 +23,7 @@ without a tool call. This module gives it what it needs from an agentenv env::
 * :func:`environment_factory` returns a class whose instances each own one env. Its tool
   methods are the env's tools, with the same names, typed signatures and docstrings, so
   TRL's schema (``transformers.utils.get_json_schema``) is the env's own; a call runs
-  through the env's :class:`~agentenv.executor.ToolExecutor` (argument checks, time limit,
+  through the env's :class:`~agentenv.env.executor.ToolExecutor` (argument checks, time limit,
   output truncation, errors as text), exactly as in agentenv's own loop.
   ``reset(task_id=..., **row)`` re-creates the row's task (a Workspace's files, RAG's
   search budget).
@@ -52,12 +52,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentenv.core import ToolEnv
+from agentenv.env.core import ToolEnv
+from agentenv.env.parsers import ToolCall
+from agentenv.env.registration import make
+from agentenv.env.tools import Tool
 from agentenv.errors import InvalidOptionError
 from agentenv.integrations.rows import task_rows
-from agentenv.parsers import ToolCall
-from agentenv.registration import make
-from agentenv.tools import Tool
 
 __all__ = [
     "AgentEnvironment",

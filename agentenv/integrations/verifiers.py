@@ -38,8 +38,8 @@ import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import ProgramResult
 
+from agentenv.env.registration import make
 from agentenv.integrations.rows import task_rows
-from agentenv.registration import make
 
 __all__ = [
     "AgentEnvData",

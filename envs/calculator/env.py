@@ -7,9 +7,9 @@ import math
 import re
 from typing import Any
 
-from agentenv.core import Task, ToolEnv
-from agentenv.parsers import ActionParser
-from agentenv.tools import tool
+from agentenv.env.core import Task, ToolEnv
+from agentenv.env.parsers import ActionParser
+from agentenv.env.tools import tool
 from envs.calculator.safe_eval import evaluate, format_number
 from envs.calculator.tasks import load_tasks
 

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from agentenv.core import Task
+from agentenv.env.core import Task
 from agentenv.errors import InvalidOptionError, TaskSourceError
 
 GENERATED_SOURCES = ("gsm_symbolic", "basic_arithmetic", "word_problems")

@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from agentenv.spaces import Message
+from agentenv.env.spaces import Message
 from envs.rag.bm25 import tokenize
 
 _SPAN = re.compile(r"[A-Z][\w'-]*(?:\s+[A-Z][\w'-]*)*")

@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, SupportsFloat
 
-from agentenv.core import Task, ToolEnv
+from agentenv.env.core import Task, ToolEnv
+from agentenv.env.parsers import ActionParser
+from agentenv.env.spaces import Message
+from agentenv.env.tools import Tool, tool
 from agentenv.errors import InvalidOptionError, TaskSourceError
-from agentenv.parsers import ActionParser
-from agentenv.spaces import Message
-from agentenv.tools import Tool, tool
 from envs.rag.corpus import Document, chunk_documents, load_corpus
 from envs.rag.data import bundled
 from envs.rag.errors import BadKError, EmptyQueryError, QueryTooLongError, SearchLimitError
@@ -104,7 +104,7 @@ class RAGEnv(ToolEnv):
         retrieval_weight: Weight of the gold document's reciprocal rank.
         format_weight: Weight of a well-formed answer (< ``answer_weight``).
         max_answer_words: Longest well-formed answer.
-        judge: An :class:`agentenv.judge.LLMJudge` grading the final answer against the
+        judge: An :class:`agentenv.run.judge.LLMJudge` grading the final answer against the
             first gold answer; its grade (0..1) times ``judge_weight`` is added to the
             reward and reported as the ``judge`` reward component (``judge_error`` says
             why a grade fell back). ``None``: EM / F1 only.
@@ -163,7 +163,7 @@ class RAGEnv(ToolEnv):
         )
         if judge is not None and not hasattr(judge, "score_batch"):
             raise InvalidOptionError(
-                f"judge must be an agentenv.judge.LLMJudge (or have score_batch), got "
+                f"judge must be an agentenv.run.judge.LLMJudge (or have score_batch), got "
                 f"{type(judge).__name__}"
             )
         if judge_weight < 0:
@@ -214,7 +214,7 @@ class RAGEnv(ToolEnv):
         from the top passage (:class:`envs.rag.baselines.SearchThenAnswer`).
 
         The gold answer is never looked at: the demonstration only knows what retrieval
-        returns. Its answer can be wrong; the replay (``agentenv.demos``) keeps a
+        returns. Its answer can be wrong; the replay (``agentenv.rollout.demos``) keeps a
         demonstration only when the env scores it correct.
         """
         from envs.rag.baselines import extract_answer, parse_top_passage, search_action

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentenv.core import Task, ToolEnv
+from agentenv.env.core import Task, ToolEnv
+from agentenv.env.parsers import ActionParser
+from agentenv.env.spaces import Message
+from agentenv.env.tools import Tool, tool
 from agentenv.errors import InvalidOptionError
-from agentenv.parsers import ActionParser
-from agentenv.spaces import Message
-from agentenv.tools import Tool, tool
 from envs.workspace.backend import detect_backend
 from envs.workspace.errors import SandboxError
 from envs.workspace.paths import FileLimits

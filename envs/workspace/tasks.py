@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentenv.core import Task
+from agentenv.env.core import Task
 from agentenv.errors import InvalidOptionError, TaskSourceError
 from envs.workspace.workspace import Workspace
 

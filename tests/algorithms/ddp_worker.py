@@ -9,7 +9,7 @@ import sys
 import torch
 from toy_episodes import TOY_REWARDS, make_groups
 
-from agentenv.models import load_tokenizer, tiny_model
+from agentenv.lm.models import load_tokenizer, tiny_model
 from algorithms.grpo import GRPO, GRPOConfig
 
 

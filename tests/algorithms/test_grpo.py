@@ -463,7 +463,7 @@ def test_first_iteration_ratio_is_one_and_kl_zero_with_lora_reference(tiny_model
 
 
 def test_kl_in_the_reward_penalises_each_sequence_before_advantages(tokenizer):
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     cfg = config(use_lora=False, beta=0.5, kl_placement="reward", kl_estimator="k1")
     trainer = GRPO(build(tokenizer), tokenizer, cfg)  # reference: a frozen copy, as passed in
@@ -493,7 +493,7 @@ def test_later_iterations_clip(tiny_model, tokenizer):
 
 
 def test_zero_variance_group_is_skipped_exactly(tokenizer):
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     groups = make_groups([[0, 1, 1, 0], [1, 1, 1, 1]], seed=1)
     a = GRPO(build(tokenizer), tokenizer, config())
@@ -506,7 +506,7 @@ def test_zero_variance_group_is_skipped_exactly(tokenizer):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batching_gives_the_one_batch_update(tokenizer, loss_type):
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     groups = make_groups([[0, 1, 1, 0], [1, 0, 0, 0]], seed=2)
     cfg = {"loss_type": loss_type, "use_lora": False, "learning_rate": 1e-3, "beta": 0.1}
@@ -564,7 +564,7 @@ def test_a_peft_model_keeps_its_adapter(tiny_model, tokenizer):
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable == expected  # no adapter nested inside the adapter
     assert trainer.learn(make_groups([[0, 1, 1, 0]]))["grad_norm"] > 0
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     other = get_peft_model(build(tokenizer), LoraConfig(task_type="CAUSAL_LM", r=2))
     with pytest.raises(InvalidOptionError, match="merge_and_unload"):
@@ -572,7 +572,7 @@ def test_a_peft_model_keeps_its_adapter(tiny_model, tokenizer):
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(tokenizer):
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     groups = make_groups([[0, 1, 1, 0], [1, 0, 0, 0]])
     plain = GRPO(build(tokenizer), tokenizer, config())
@@ -587,7 +587,7 @@ def _warm_started(tokenizer):
     """A PeftModel whose adapter is not zero, as after an SFT warm start."""
     from peft import LoraConfig, get_peft_model
 
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     lora = LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False

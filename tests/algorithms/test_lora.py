@@ -21,8 +21,8 @@ def test_peft_model_is_kept_and_bad_layer_count_refused(tiny_model):
     assert isinstance(model, PeftModel)
     assert apply_lora(model, 8, 16, 0.0, ["v_proj"], seed=1) is model  # adapters kept
     with pytest.raises(InvalidOptionError, match="lora_layers"):
-        from agentenv.models import load_tokenizer
-        from agentenv.models import tiny_model as build
+        from agentenv.lm.models import load_tokenizer
+        from agentenv.lm.models import tiny_model as build
 
         apply_lora(build(load_tokenizer()), 4, 8, 0.0, ["q_proj"], seed=0, last_layers=3)
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from agentenv.episode import Episode
 from agentenv.errors import InvalidOptionError
+from agentenv.rollout.episode import Episode
 from algorithms.sft import SFT, SFTConfig, masked_nll
 
 
@@ -66,7 +66,7 @@ def test_loss_decreases_and_fit_counts_steps(tiny_model, tokenizer):
 def test_sft_checkpoint_loads_as_peft_adapter(tiny_model, tokenizer, tmp_path):
     from peft import PeftModel
 
-    from agentenv.models import tiny_model as build
+    from agentenv.lm.models import tiny_model as build
 
     trainer = SFT(tiny_model, tokenizer, SFTConfig(learning_rate=5e-3))
     trainer.learn(episodes(tokenizer))

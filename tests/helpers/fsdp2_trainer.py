@@ -25,8 +25,8 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
 from toy_episodes import TOY_REWARDS, make_groups
 
-from agentenv.generation import SamplingConfig, TransformersPolicy, _whole
-from agentenv.models import load_tokenizer, tiny_model
+from agentenv.lm.generation import SamplingConfig, TransformersPolicy, _whole
+from agentenv.lm.models import load_tokenizer, tiny_model
 from algorithms.grpo import GRPO, GRPOConfig
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]

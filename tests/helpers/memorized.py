@@ -27,7 +27,7 @@ def memorize(
     Trained on the continuation's tokens only, until its loss is below 0.01 nats per token
     (almost one-hot: sampling at temperature 1 then follows the text too).
     """
-    from agentenv.models import tiny_model
+    from agentenv.lm.models import tiny_model
 
     assert text.startswith(prompt), "prompt must be a prefix of text"
     model = tiny_model(tokenizer, hidden_size=hidden_size, num_heads=4, seed=seed)

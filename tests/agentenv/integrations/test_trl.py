@@ -118,7 +118,7 @@ def test_factory_rejects_a_non_tool_env():
     import gymnasium as gym
 
     from agentenv import FreeText, Messages, register
-    from agentenv.registration import deregister
+    from agentenv.env.registration import deregister
 
     class Plain(gym.Env):
         observation_space = Messages()

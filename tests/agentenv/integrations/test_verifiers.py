@@ -64,7 +64,7 @@ def test_verifiers_loads_the_plugin_and_its_tasks_are_the_envs():
 @pytest.fixture(scope="module")
 def served_model(tokenizer, tmp_path_factory):
     """``transformers serve`` on a free local port with a model that solves test task 0."""
-    from agentenv.episode import ChatFormat
+    from agentenv.rollout.episode import ChatFormat
 
     if shutil.which("transformers") is None:
         pytest.skip("the `transformers` command is not on PATH")
@@ -155,9 +155,9 @@ def test_the_agents_max_turns_ends_a_rollout_the_env_has_not(served_model):
 
 
 def test_the_llm_judge_reaches_an_openai_compatible_server(served_model):
-    """agentenv.judge.OpenAIJudge against the same real server (its model cannot grade: the
+    """agentenv.run.judge.OpenAIJudge against the same real server (its model cannot grade: the
     reply has no <score>, so the judge falls back and says why)."""
-    from agentenv.judge import LLMJudge, OpenAIJudge
+    from agentenv.run.judge import LLMJudge, OpenAIJudge
 
     backend = OpenAIJudge(served_model["url"], served_model["model"], max_tokens=8)
     judge = LLMJudge(backend, fallback=0.5)

@@ -9,8 +9,8 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import agentenv
+from agentenv.env.play import play_episode
 from agentenv.errors import InvalidOptionError, TaskSourceError
-from agentenv.play import play_episode
 from envs.rag import QAFileError, QAItem, RAGEnv
 from envs.rag.baselines import AnswerWithoutSearch, SearchThenAnswer, parse_top_passage
 
@@ -263,7 +263,7 @@ def test_custom_corpus_folder_and_qa_file(tmp_path, cache_dir, write_jsonl):
 
 
 def test_an_llm_judge_adds_a_graded_reward_component(small_env_kwargs):
-    from agentenv.judge import LLMJudge
+    from agentenv.run.judge import LLMJudge
 
     class Backend:  # grades "Paris"-like answers by whether they contain the reference
         def __init__(self):
@@ -295,8 +295,8 @@ def test_an_llm_judge_adds_a_graded_reward_component(small_env_kwargs):
 
 
 def test_demonstrations_search_then_answer_from_retrieval_only(small_env_kwargs, tokenizer):
-    from agentenv.demos import demonstration_episodes
-    from agentenv.episode import ChatFormat
+    from agentenv.rollout.demos import demonstration_episodes
+    from agentenv.rollout.episode import ChatFormat
 
     env = RAGEnv(**small_env_kwargs)
     n = env.num_tasks

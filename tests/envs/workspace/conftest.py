@@ -88,7 +88,7 @@ def children():
 @pytest.fixture(autouse=True, scope="session")
 def registered():
     """Register Workspace-v0 if the registry does not ship it yet."""
-    if agentenv.registration.full_id("Workspace-v0") not in agentenv.registry():
+    if agentenv.env.registration.full_id("Workspace-v0") not in agentenv.registry():
         agentenv.register("Workspace-v0", "envs.workspace:WorkspaceEnv", override=True)
     yield
 

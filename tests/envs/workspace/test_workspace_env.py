@@ -256,8 +256,8 @@ def test_render_and_step_after_close(make_env):
 
 
 def test_demonstrations_replay_the_scripted_solvers(tokenizer):
-    from agentenv.demos import demonstration_episodes
-    from agentenv.episode import ChatFormat
+    from agentenv.rollout.demos import demonstration_episodes
+    from agentenv.rollout.episode import ChatFormat
 
     def make():
         return agentenv.make("Workspace-v0", sandbox="rlimit", max_turns=20)

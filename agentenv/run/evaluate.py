@@ -1,0 +1,265 @@
+"""Evaluate a policy on an environment's split: accuracy, pass@k, format and tool use.
+
+Task ``i`` of the split is always evaluated as ``reset(seed=seed + i,
+options={"task_id": i})``, so two evaluations with the same settings see the same
+tasks and can be compared pairwise (:func:`compare`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+from tqdm.auto import tqdm
+
+from agentenv.config import CommandConfig, option
+from agentenv.errors import InvalidOptionError
+from agentenv.lm.generation import PolicyBackend, SamplingConfig
+from agentenv.rollout.collect import RolloutConfig, collect
+from agentenv.rollout.episode import ChatFormat, Episode
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate."""
+
+    split: str = option("test", "Split to evaluate: test or train.")
+    num_tasks: int | None = option(200, "The split's first N tasks (none: all of them).")
+    samples: int = option(1, "Episodes per task (K); pass@k is reported for k = 1, 2, 4 .. K.")
+    temperature: float = option(0.0, "Sampling temperature; 0 = greedy (the default for K=1).")
+    max_turns: int = option(5, "Policy turns per episode.")
+    max_new_tokens: int = option(128, "Tokens per policy turn.")
+    max_episode_tokens: int = option(2048, "Token budget per episode.")
+    tasks_per_batch: int = option(16, "Tasks whose episodes are generated together.")
+    seed: int = option(0, "Base reset seed (task i uses seed + i).")
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise InvalidOptionError(f"samples must be >= 1, got {self.samples}")
+        if self.num_tasks is not None and self.num_tasks < 1:
+            raise InvalidOptionError(f"num_tasks must be >= 1 or None, got {self.num_tasks}")
+        if self.split not in ("train", "test"):
+            raise InvalidOptionError(f"split must be 'train' or 'test', got {self.split!r}")
+        if self.samples > 1 and self.temperature == 0:
+            raise InvalidOptionError(
+                "samples > 1 with temperature 0 gives K identical greedy episodes; "
+                "set temperature > 0 (e.g. 1.0)"
+            )
+
+
+@dataclass
+class EvalRunConfig(CommandConfig):
+    """Settings of an ``agentenv eval`` run; ``eval`` is the evaluation's section."""
+
+    adapter: str | None = option(None, "Checkpoint folder to apply (adapter/ or model/).")
+    label: str | None = option(None, "Name of the model in the report (default: model+adapter).")
+    judge: str | None = option(
+        None,
+        "Also grade final answers with an LLM judge (metric judge_score, 0..1): 'local' (the "
+        "bundled SmolLM2: offline, weak) or an OpenAI-compatible base URL "
+        "(http://HOST:PORT/v1; --judge-model names its model).",
+    )
+    judge_model: str | None = option(None, "The model name an OpenAI-compatible judge expects.")
+    output: str | None = option(None, "Write the report as JSON to this path.")
+    eval: EvalConfig = option(
+        EvalConfig(max_turns=3, max_new_tokens=96), "What to evaluate (section)."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.judge is not None and self.judge != "local":
+            if not self.judge.startswith(("http://", "https://")) or not self.judge_model:
+                raise InvalidOptionError(
+                    f"judge must be 'local' or an http(s) base URL with judge_model set, got "
+                    f"judge={self.judge!r}, judge_model={self.judge_model!r}"
+                )
+
+    def make_judge(self) -> Any:
+        """The :class:`~agentenv.run.judge.LLMJudge` this run asked for, or ``None``."""
+        from agentenv.run.judge import LLMJudge, OpenAIJudge, TransformersJudge
+
+        if self.judge is None:
+            return None
+        if self.judge == "local":
+            return LLMJudge(TransformersJudge.default())
+        assert self.judge_model is not None
+        return LLMJudge(OpenAIJudge(self.judge, self.judge_model))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimator (Chen et al., 2021): ``1 - C(n-c, k) / C(n, k)``.
+
+    Args:
+        n: Samples drawn for the task.
+        c: Correct samples among them.
+        k: The k of pass@k (``k <= n``).
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def summarize(groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
+    """Aggregate metrics over groups of episodes (one group per task)."""
+    episodes = [e for g in groups for e in g]
+    n_ep, n_tasks = len(episodes), len(groups)
+    correct = [[bool(e.info.get("correct", False)) for e in g] for g in groups]
+    per_task = [sum(c) / len(c) for c in correct]
+    accuracy = sum(per_task) / n_tasks
+    calls = sum(e.info.get("num_tool_calls", 0) for e in episodes)
+    errors = sum(e.info.get("num_tool_errors", 0) for e in episodes)
+    out = {
+        "accuracy": accuracy,
+        "accuracy_stderr": math.sqrt(accuracy * (1 - accuracy) / n_tasks),
+        "mean_reward": sum(e.reward for e in episodes) / n_ep,
+        "answer_rate": sum("answer" in e.info for e in episodes) / n_ep,
+        "tool_call_rate": sum(e.info.get("num_tool_calls", 0) > 0 for e in episodes) / n_ep,
+        "tool_error_rate": errors / calls if calls else 0.0,
+        "mean_turns": sum(e.num_turns for e in episodes) / n_ep,
+        "mean_tokens": sum(e.num_policy_tokens for e in episodes) / n_ep,
+        "num_tasks": float(n_tasks),
+        "samples": float(len(groups[0])),
+    }
+    k = 1
+    while k <= len(groups[0]):
+        out[f"pass@{k}"] = sum(pass_at_k(len(c), sum(c), k) for c in correct) / n_tasks
+        k *= 2
+    return out
+
+
+@dataclass
+class EvalReport:
+    """Metrics plus per-task correctness (for paired comparisons)."""
+
+    metrics: dict[str, float]
+    per_task: list[float]
+    config: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    def save(self, path: str | Path) -> None:
+        """Write the report as JSON."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> EvalReport:
+        """Read a report written by :meth:`save`."""
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def evaluate(
+    make_env: Callable[[], gym.Env],
+    policy: PolicyBackend,
+    fmt: ChatFormat,
+    config: EvalConfig | None = None,
+    *,
+    label: str = "",
+    show_progress: bool = True,
+    judge: Any = None,
+) -> EvalReport:
+    """Run the policy on the first ``num_tasks`` tasks of the split.
+
+    Args:
+        make_env: Builds one env instance of the split to evaluate.
+        policy: The policy backend.
+        fmt: Chat format of the policy's tokenizer.
+        config: What to evaluate.
+        label: Name shown in tables (e.g. the model or checkpoint).
+        show_progress: Progress bar over batches of tasks.
+        judge: An :class:`~agentenv.run.judge.LLMJudge`: each final answer is also graded
+            against the task's reference (``judge_score``: mean over episodes, 0 for an
+            episode without an answer; ``judge_failures``: grades that fell back).
+    """
+    config = config or EvalConfig()
+    probe = make_env()
+    total = probe.num_tasks if config.num_tasks is None else min(config.num_tasks, probe.num_tasks)
+    probe.close()
+    rollout = RolloutConfig(
+        group_size=config.samples,
+        max_turns=config.max_turns,
+        max_episode_tokens=config.max_episode_tokens,
+        show_progress=False,
+        sampling=SamplingConfig(config.max_new_tokens, temperature=config.temperature),
+    )
+    groups: list[list[Episode]] = []
+    bar = tqdm(total=total, desc=f"eval {label}".strip(), disable=not show_progress)
+    for start in range(0, total, config.tasks_per_batch):
+        ids = range(start, min(start + config.tasks_per_batch, total))
+        batch, _ = collect(
+            make_env,
+            [config.seed + i for i in ids],
+            policy,
+            fmt,
+            rollout,
+            options=[{"task_id": i} for i in ids],
+        )
+        groups.extend(batch)
+        bar.update(len(ids))
+    bar.close()
+    per_task = [sum(bool(e.info.get("correct")) for e in g) / len(g) for g in groups]
+    metrics = summarize(groups)
+    if judge is not None:
+        metrics.update(_judge(make_env, groups, judge))
+    return EvalReport(metrics, per_task, asdict(config), label)
+
+
+def _judge(make_env: Callable[[], gym.Env], groups: list[list[Episode]], judge: Any) -> dict:
+    """Grade every answered episode (one batched judge call); store each grade in its info."""
+    env = make_env()
+    try:
+        items, answered = [], []
+        for task_id, group in enumerate(groups):
+            task = env.unwrapped.get_task(task_id)
+            gold = task.answer[0] if isinstance(task.answer, list | tuple) else task.answer
+            for episode in group:
+                if "answer" in episode.info:
+                    items.append((task.prompt, str(episode.info["answer"]), str(gold)))
+                    answered.append(episode)
+    finally:
+        env.close()
+    verdicts = judge.score_batch(items) if items else []
+    for episode, verdict in zip(answered, verdicts, strict=True):
+        episode.info["judge_score"] = verdict.reward
+    n = sum(len(g) for g in groups)
+    return {
+        "judge_score": sum(v.reward for v in verdicts) / n,
+        "judge_failures": float(sum(v.error is not None for v in verdicts)),
+    }
+
+
+def compare(a: EvalReport, b: EvalReport) -> dict[str, float]:
+    """Paired difference ``b - a`` in accuracy over the same tasks, with its standard error."""
+    if len(a.per_task) != len(b.per_task):
+        raise InvalidOptionError(
+            f"reports cover different task counts ({len(a.per_task)} vs {len(b.per_task)}); "
+            "evaluate both with the same split, num_tasks and seed"
+        )
+    diffs = [y - x for x, y in zip(a.per_task, b.per_task, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    return {"accuracy_diff": mean, "accuracy_diff_stderr": math.sqrt(var / n)}
+
+
+def format_table(reports: Sequence[EvalReport]) -> str:
+    """A plain-text table of the reports' metrics, side by side."""
+    keys = [k for k in reports[0].metrics if all(k in r.metrics for r in reports)]
+    names = [r.label or f"run {i}" for i, r in enumerate(reports)]
+    width = max(12, *(len(n) for n in names))
+    lines = [f"{'metric':22s}" + "".join(f"{n:>{width + 2}s}" for n in names)]
+    for k in keys:
+        lines.append(f"{k:22s}" + "".join(f"{r.metrics[k]:>{width + 2}.4f}" for r in reports))
+    if len(reports) == 2:
+        d = compare(reports[0], reports[1])
+        lines.append(
+            f"{'accuracy diff (b-a)':22s}{d['accuracy_diff']:>{width + 2}.4f} "
+            f"± {d['accuracy_diff_stderr']:.4f} (paired stderr)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""PNG plots of a run's metrics (reward, eval accuracy, KL, loss, tokens/s vs step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agentenv.run.tracking import read_metrics
+
+PLOTS: dict[str, tuple[str, ...]] = {
+    "reward": ("rewards/mean",),
+    "eval_accuracy": ("eval/accuracy",),
+    "kl": ("kl",),
+    "loss": ("loss",),
+    "tokens_per_second": ("tokens_per_second",),
+}
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Draw ``run_dir/plots/<name>.png`` for each metric that was logged; return the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    out_dir = Path(run_dir) / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, keys in PLOTS.items():
+        series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
+        if not any(series.values()):
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for k, points in series.items():
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=k)
+        ax.set_xlabel("step")
+        ax.set_title(name.replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

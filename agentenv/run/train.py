@@ -1,0 +1,399 @@
+"""The training loop: collect B x G episodes, learn with GRPO, log, evaluate, checkpoint.
+
+    run = agentenv.run.train("Calculator-v0", config=TrainConfig(steps=20))
+
+Each step reads as one pass: ``collect -> algorithm.learn -> log -> (eval) -> (save)``.
+
+Under ``accelerate launch`` (or ``torchrun``) with N processes, each process collects its
+own share of every step's ``batch_size`` tasks (``batch_size`` must be a multiple of N),
+the gradients are reduced across processes inside :meth:`GRPO.learn`, and only the main
+process writes the run directory: config, metrics, episodes, evaluations, plots and
+checkpoints (the others wait for it). The logged rollout statistics are the main
+process's share; the loss, KL and clip metrics are global.
+The run directory holds ``config.json``, ``metrics.jsonl``, TensorBoard events,
+``episodes/step_N.jsonl``, ``checkpoints/step_N`` (written atomically) and, at the end,
+``plots/*.png`` and ``eval/{before,after}.json``. ``resume=True`` continues from the
+last complete checkpoint; task seeds and sampling seeds are functions of ``(seed, step)``,
+so a resumed run sees the same tasks, and draws the same tokens, as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from agentenv import config as config_lib
+from agentenv.config import CommandConfig, option
+from agentenv.env.registration import env_name
+from agentenv.errors import InvalidOptionError
+from agentenv.lm.generation import SamplingConfig, resolve_dtype
+from agentenv.rollout.collect import RolloutConfig
+from agentenv.run.profiles import profile_settings
+from algorithms.grpo import GRPOConfig
+
+
+def _training_rollout() -> RolloutConfig:
+    return RolloutConfig(
+        group_size=8,
+        max_turns=3,
+        max_episode_tokens=1024,
+        sampling=SamplingConfig(max_new_tokens=64),
+        show_progress=False,
+    )
+
+
+@dataclass
+class TrainConfig(CommandConfig):
+    """Everything a training run needs; ``config.json`` in the run directory is this.
+
+    Sections own their values: ``rollout`` (G, turns, token budget and its ``sampling``:
+    temperature, top-p/k, tokens per turn) is read by the sampler *and* the trainer, and
+    ``grpo`` holds the algorithm's hyper-parameters. A section may be given as a dict of
+    its fields (``grpo={"beta": 0.04}``); unknown keys are errors.
+    """
+
+    init_from: str | None = option(
+        None, "Checkpoint folder (e.g. from `agentenv sft`) to start from."
+    )
+    profile: str | None = option(
+        None,
+        "conservative | balanced | aggressive: a bundle of GRPO settings (LR, clip, KL, "
+        "entropy, G; see agentenv.run.profiles) under --config and flags, which still win.",
+    )
+    steps: int = option(20, "GRPO steps (one batch of B x G episodes each).")
+    batch_size: int = option(4, "Tasks per step (B).")
+    eval_every: int = option(0, "Evaluate every N steps (0: only before and after training).")
+    eval_tasks: int = option(50, "Test-split tasks per evaluation (0: no evaluation).")
+    save_every: int = option(10, "Checkpoint every N steps (and always at the end).")
+    keep_checkpoints: int = option(2, "Most recent checkpoints kept.")
+    log_episodes: int = option(8, "Episodes written to episodes/step_N.jsonl per step.")
+    output_dir: str | None = option(None, "Run directory (default runs/<env>-<time>).")
+    seed: int = option(0, "Seed of task sampling, generation and LoRA init.")
+    tensorboard: bool = option(True, "Write TensorBoard events.")
+    wandb_project: str | None = option(None, "Log to this W&B project (needs `pip install wandb`).")
+    rollout: RolloutConfig = option(
+        _training_rollout(), "How episodes are collected and sampled (section)."
+    )
+    grpo: GRPOConfig = option(GRPOConfig(), "GRPO hyper-parameters (section).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("steps", "batch_size", "save_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.eval_tasks < 0 or self.log_episodes < 0:
+            raise InvalidOptionError("eval_every, eval_tasks and log_episodes must be >= 0")
+        profile_settings(self.profile)  # an unknown name fails here, naming the profiles
+        if self.rollout.group_size < 2:
+            raise InvalidOptionError(
+                f"group_size must be >= 2 for group-relative advantages, got "
+                f"{self.rollout.group_size}"
+            )
+        if self.rollout.sampling.temperature <= 0:
+            raise InvalidOptionError(
+                f"temperature must be > 0 for training (GRPO learns from sampled episodes), "
+                f"got {self.rollout.sampling.temperature}"
+            )
+
+    @classmethod
+    def resolve(
+        cls, file: str | Path | None = None, overrides: dict[str, Any] | None = None
+    ) -> TrainConfig:
+        """Defaults, then the ``profile`` (named in ``overrides`` or ``file``), then ``file``
+        (YAML/JSON, nested like ``config.json``), then ``overrides`` (a nested dict, e.g.
+        from flags), deep-merged; strict keys."""
+        overrides = overrides or {}
+        named = overrides.get(
+            "profile", config_lib.load_file(file).get("profile") if file else None
+        )
+        return config_lib.resolve(cls, file, overrides, base=profile_settings(named))
+
+
+def task_seeds(seed: int, step: int, n: int) -> list[int]:
+    """The reset seeds of step ``step``'s tasks (a pure function: resumes see the same)."""
+    rng = random.Random(f"{seed}-{step}")
+    return [rng.randrange(2**31) for _ in range(n)]
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """Step ``step``'s sampling seed: with the task seed, group member and turn it seeds each
+    policy turn (:func:`agentenv.rollout.collect.trajectory_seed`), so an episode is the same
+    whichever process collects it and a resumed run samples what an uninterrupted one did."""
+    return random.Random(f"{seed}-{step}-sampling").getrandbits(63)
+
+
+def task_share(seed: int, step: int, batch_size: int, rank: int = 0, world: int = 1) -> list[int]:
+    """Process ``rank``'s share of step ``step``'s tasks (every ``world``-th one): the
+    shares of ``world`` processes are disjoint and together are the step's tasks."""
+    return task_seeds(seed, step, batch_size)[rank::world]
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _episode_stats(groups: list[list[Any]]) -> dict[str, float]:
+    """Per-episode and per-turn statistics of a step's episodes."""
+    eps = [e for g in groups for e in g]
+    n = len(eps)
+    turns = max(sum(e.num_turns for e in eps), 1)
+    return {
+        "episodes/correct_rate": sum(bool(e.info.get("correct")) for e in eps) / n,
+        "episodes/answer_rate": sum("answer" in e.info for e in eps) / n,
+        "episodes/tool_call_rate": sum(e.info.get("num_tool_calls", 0) > 0 for e in eps) / n,
+        "episodes/mean_turns": sum(e.num_turns for e in eps) / n,
+        "episodes/max_turns": float(max(e.num_turns for e in eps)),
+        "episodes/mean_policy_tokens": sum(e.num_policy_tokens for e in eps) / n,
+        "episodes/unfinished_rate": sum(e.stop_reason != "terminated" for e in eps) / n,
+        "turns/policy_tokens_mean": sum(e.num_policy_tokens for e in eps) / turns,
+        "turns/tool_calls_mean": sum(e.info.get("num_tool_calls", 0) for e in eps) / turns,
+        "turns/tool_errors_mean": sum(e.info.get("num_tool_errors", 0) for e in eps) / turns,
+    }
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    from algorithms.checkpoint import checkpoint_step
+
+    done = sorted((s, p) for p in ckpt_dir.iterdir() if (s := checkpoint_step(p)) is not None)
+    for _, path in done[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def train(
+    env_id: str | None = None,
+    *,
+    model: str | None = None,
+    config: TrainConfig | None = None,
+    resume: bool = False,
+) -> Path:
+    """Train a policy on ``env_id`` with GRPO; return the run directory.
+
+    Args:
+        env_id: Overrides ``config.env_id``.
+        model: Overrides ``config.model``.
+        config: The run's settings (default :class:`TrainConfig`).
+        resume: Continue the run in ``config.output_dir`` from its last complete checkpoint.
+    """
+    from agentenv.env.registration import make
+    from agentenv.lm import models
+    from agentenv.lm.generation import TransformersPolicy
+    from agentenv.rollout.collect import collect
+    from agentenv.rollout.episode import ChatFormat
+    from agentenv.run.evaluate import EvalConfig, evaluate, format_table
+    from agentenv.run.plots import plot_run
+    from agentenv.run.tracking import RunLogger
+    from algorithms.checkpoint import latest_checkpoint
+    from algorithms.grpo import GRPO, compute_advantages
+
+    config = config or TrainConfig()
+    config = dataclasses.replace(
+        config, env_id=env_id or config.env_id, model=model or config.model
+    )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(config.output_dir or f"runs/{env_name(config.env_id)}-{stamp}")
+    if resume and not (run_dir / "config.json").exists():
+        raise InvalidOptionError(f"--resume needs an existing run in {run_dir} (no config.json)")
+    world, rank = _processes()
+    check_sharding(os.environ)
+    if config.batch_size % world:
+        raise InvalidOptionError(
+            f"batch_size={config.batch_size} must be a multiple of the {world} processes "
+            f"(each collects batch_size / {world} tasks a step); set batch_size to "
+            f"{world * -(-config.batch_size // world)}"
+        )
+    main = rank == 0
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / "config.json", config_lib.to_dict(config))  # the effective one
+    make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
+
+    torch.manual_seed(config.seed)  # LoRA init; episodes draw from sampling_seed()
+    device = config.device or models.default_device()
+    compute = resolve_dtype(config.dtype, device)
+    grpo_cfg, rollout, sampling = config.grpo, config.rollout, config.rollout.sampling
+    policy_model, tokenizer = models.load(
+        config.model, dtype=training_dtype(compute, grpo_cfg.use_lora), device=device
+    )
+    if config.init_from:
+        policy_model = load_from_checkpoint(policy_model, Path(config.init_from))
+    algo = GRPO(
+        policy_model,
+        tokenizer,
+        grpo_cfg,
+        sampling=sampling,  # the sampler's settings object: one temperature for both
+        total_steps=config.steps,
+        seed=config.seed,
+        dtype=compute,
+    )
+    start = 0
+    ckpt_dir = run_dir / "checkpoints"
+    if resume and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
+        algo.load(ckpt)
+        start = algo.step
+    acc = algo.accelerator
+    logger = (
+        RunLogger(
+            run_dir,
+            resume_step=start if resume else None,
+            tensorboard=config.tensorboard,
+            wandb_project=config.wandb_project,
+            config=config_lib.to_dict(config),
+        )
+        if main
+        else None
+    )
+    fmt = ChatFormat(tokenizer)
+    policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
+    eval_cfg = EvalConfig(
+        num_tasks=config.eval_tasks or None,
+        max_turns=rollout.max_turns,
+        max_new_tokens=sampling.max_new_tokens,
+        max_episode_tokens=rollout.max_episode_tokens,
+    )
+
+    def train_env():  # noqa: ANN202
+        return make(config.env_id, split="train", **config.env_kwargs)
+
+    def test_env():  # noqa: ANN202
+        return make(config.env_id, split="test", **config.env_kwargs)
+
+    def run_eval(label: str):  # noqa: ANN202
+        """The main process evaluates; the others wait for it."""
+        report = None
+        policy.refresh()  # every process: gathering sharded weights is a collective
+        if main:
+            report = evaluate(test_env, policy, fmt, eval_cfg, label=label, show_progress=False)
+            report.save(run_dir / "eval" / f"{label}.json")
+        acc.wait_for_everyone()
+        return report
+
+    before = None
+    if config.eval_tasks and start == 0:
+        before = run_eval("before")
+        if main:
+            logger.log(0, {f"eval/{k}": v for k, v in before.metrics.items()})
+    steps = range(start, config.steps)
+    bar = tqdm(steps, initial=start, total=config.steps, desc="train", disable=not main)
+    for step in bar:
+        t0 = time.perf_counter()
+        seeds = task_share(config.seed, step, config.batch_size, rank, world)
+        groups, metrics = collect(
+            train_env, seeds, policy, fmt, rollout, sample_seed=sampling_seed(config.seed, step)
+        )
+        models.release_memory()
+        metrics.update(algo.learn(groups))
+        models.release_memory()
+        metrics.update(_episode_stats(groups))
+        done = step + 1
+        if (
+            config.eval_tasks
+            and config.eval_every
+            and done % config.eval_every == 0
+            and done < config.steps
+        ):
+            report = run_eval(f"step_{done}")
+            if main:
+                metrics.update({f"eval/{k}": v for k, v in report.metrics.items()})
+        metrics["time/step_s"] = time.perf_counter() - t0
+        if main:
+            logger.log(done, metrics)
+        if main and config.log_episodes:
+            rewards = torch.tensor([[e.reward for e in g] for g in groups])
+            adv = compute_advantages(rewards, grpo_cfg.advantage_norm).flatten().tolist()
+            eps = [e for g in groups for e in g]
+            logger.log_episodes(
+                done, eps[: config.log_episodes], tokenizer, adv[: config.log_episodes]
+            )
+        if done % config.save_every == 0 or done == config.steps:
+            algo.save(ckpt_dir / f"step_{done:06d}")  # the main process writes, all wait
+            if main:
+                _prune(ckpt_dir, config.keep_checkpoints)
+        bar.set_postfix(
+            reward=f"{metrics['rewards/mean']:.2f}",
+            kl=f"{metrics['kl']:.3g}",
+            s_per_step=f"{metrics['time/step_s']:.0f}",
+        )
+    after = run_eval("after") if config.eval_tasks else None
+    if not main:
+        return run_dir
+    if after is not None:
+        logger.log(config.steps, {f"eval/{k}": v for k, v in after.metrics.items()})
+        before = before or _maybe_load(run_dir / "eval" / "before.json")
+        print(format_table([before, after]) if before else format_table([after]))
+    logger.close()
+    plots = plot_run(run_dir)
+    print(f"run directory: {run_dir}\nplots: {', '.join(str(p) for p in plots)}")
+    return run_dir
+
+
+def _processes() -> tuple[int, int]:
+    """``(world size, rank)`` of this run, from the launcher's environment (``accelerate
+    launch`` and ``torchrun`` set WORLD_SIZE / RANK); ``(1, 0)`` for a plain process."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def check_sharding(environ: Mapping[str, str]) -> None:
+    """Refuse, before any model loads, an ``accelerate launch`` configuration whose
+    parameter sharding the sampler and the checkpoints do not handle: FSDP1 (flat
+    parameters) and DeepSpeed ZeRO-3. FSDP2 (``fsdp_version: 2``) is gathered by both."""
+    fsdp = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp and environ.get("FSDP_VERSION", "1") != "2":
+        raise InvalidOptionError(
+            "agentenv train does not support FSDP1 (flat parameters the sampler cannot "
+            "gather); set fsdp_version: 2 in the accelerate config (or accelerate launch "
+            "--fsdp_version 2)"
+        )
+    if environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise InvalidOptionError(
+            "agentenv train does not checkpoint parameters sharded by DeepSpeed ZeRO-3 yet; "
+            "use FSDP2 (fsdp_version: 2) to shard parameters, or ZeRO-2 (zero_stage: 2), "
+            "which shards only the optimizer state and gradients"
+        )
+
+
+def _maybe_load(path: Path) -> Any:
+    from agentenv.run.evaluate import EvalReport
+
+    return EvalReport.load(path) if path.exists() else None
+
+
+def training_dtype(compute: torch.dtype, use_lora: bool) -> torch.dtype:
+    """The dtype to load weights in: a LoRA run's frozen base computes in ``compute``
+    (no per-step casts, half the memory in bf16); weights that are trained stay float32
+    and are autocast to ``compute``."""
+    return compute if use_lora else torch.float32
+
+
+def load_from_checkpoint(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
+    """Apply a checkpoint's weights to a freshly loaded base model.
+
+    A LoRA checkpoint (``folder/adapter``) returns a trainable ``PeftModel``; a full
+    checkpoint (``folder/model``) is loaded into ``model`` in place.
+    """
+    folder = Path(folder)
+    from peft import PeftModel
+
+    if (folder / "adapter").is_dir():
+        return PeftModel.from_pretrained(model, str(folder / "adapter"), is_trainable=True)
+    if (folder / "model").is_dir():
+        from algorithms.checkpoint import load_model_weights
+
+        load_model_weights(model, folder / "model")
+        return model
+    raise InvalidOptionError(
+        f"init_from={str(folder)!r} has neither adapter/ nor model/; pass a checkpoint folder "
+        "written by `agentenv sft` or `agentenv train` (e.g. RUN/checkpoints/step_000010)"
+    )

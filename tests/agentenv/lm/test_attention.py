@@ -1,0 +1,148 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agentenv.lm.attention import (
+    CPU_BF16_ATTENTION,
+    AppendCacheLayer,
+    grouped_attention,
+    use_cpu_bf16_attention,
+)
+from agentenv.lm.models import tiny_model
+
+
+def qkv(b=3, h=6, kv=2, q=5, length=9, d=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+    return make(b, h, q, d), make(b, kv, length, d), make(b, kv, length, d)
+
+
+def reference(query, key, value, mask):
+    """SDPA with every KV head repeated for its query group; out (b, q, h, d)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask).transpose(1, 2)
+
+
+def test_matches_sdpa_with_a_padding_mask_values_and_gradients():
+    query, key, value = qkv()
+    mask = torch.ones(3, 1, 5, 9, dtype=torch.bool).tril(4)  # (b, 1, q, L), causal
+    mask[1, :, :, :3] = False  # row 1: a left gap of 3 masked slots
+    out, _ = grouped_attention(torch.nn.Module(), query, key, value, mask)
+    expected = reference(query, key, value, mask)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), (query, key, value))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (query, key, value))
+    for a, b in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_no_mask_means_causal_and_one_query_sees_every_key():
+    query, key, value = qkv(q=9)  # a prefill without padding: transformers passes no mask
+    out, _ = grouped_attention(torch.nn.Module(), query, key, value, None)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    torch.testing.assert_close(out, reference(query, key, value, causal), atol=1e-6, rtol=1e-5)
+    query, key, value = qkv(q=1)  # a decode step
+    out, _ = grouped_attention(torch.nn.Module(), query, key, value, None)
+    torch.testing.assert_close(out, reference(query, key, value, None), atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_stays_within_bf16_rounding_of_float32():
+    query, key, value = qkv(dtype=torch.bfloat16)
+    mask = torch.ones(3, 1, 5, 9, dtype=torch.bool).tril(4)
+    out, _ = grouped_attention(torch.nn.Module(), query, key, value, mask)
+    exact = reference(query.float(), key.float(), value.float(), mask)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - exact).abs().max() < 0.03  # bf16 keeps 8 bits: 2^-8 of |out| <= ~3
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [(torch.bfloat16, True), (torch.float32, False)])
+def test_a_cpu_model_switches_only_for_a_bf16_compute_dtype(tokenizer, dtype, expected):
+    model = tiny_model(tokenizer)
+    assert use_cpu_bf16_attention(model, dtype) is expected
+    assert (model.config._attn_implementation == CPU_BF16_ATTENTION) is expected
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=expected):
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=expected):
+        sdpa = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert (logits.float() - sdpa.float()).abs().max() < 0.1
+
+
+def test_append_cache_decodes_what_a_dynamic_cache_does(tiny_model, tokenizer, monkeypatch):
+    """bf16 sampling with in-place KV appends (small spare room: several regrowths, rows
+    dropped, a continued turn) gives the tokens and log-probs of transformers' cache."""
+    import agentenv.lm.attention as attention
+    from agentenv.lm import generation
+    from agentenv.lm.generation import SamplingConfig, TransformersPolicy
+
+    monkeypatch.setattr(attention.AppendCacheLayer, "SPARE", 3)
+    prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]
+    sampling = SamplingConfig(12, temperature=1.0, stop_strings=[])
+
+    def run(use_append: bool):
+        if not use_append:
+            monkeypatch.setattr(generation, "append_cache", lambda model: None)
+        policy = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16")
+        first = policy.generate(prompts, sampling, seeds=[1, 2, 3])
+        stop = first[0].token_ids[4]  # ends row 0 early the second time: a row is dropped
+        policy.stop_token_ids = [stop]
+        nxt = [p + g.token_ids + [5, 6] for p, g in zip(prompts, first, strict=True)]
+        return first + policy.generate(nxt, sampling, seeds=[4, 5, 6])
+
+    appended, dynamic = run(True), run(False)
+    assert [g.token_ids for g in appended] == [g.token_ids for g in dynamic]
+    for a, b in zip(appended, dynamic, strict=True):
+        assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=1e-2)
+
+
+def test_append_cache_layer_grows_in_place_and_reports_valid_slots():
+    layer = AppendCacheLayer()
+    k = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
+    keys, values = layer.update(k, -k)
+    assert keys.shape[-2] == 3 and layer.get_seq_length() == 3  # a prefill: no spare room
+    keys, _ = layer.update(k[:, :, :1] + 100, -k[:, :, :1])
+    assert keys.shape[-2] == 4 + AppendCacheLayer.SPARE and layer.get_seq_length() == 4
+    assert torch.equal(layer.keys[:, :, :3], k) and (keys[:, :, 4:] == 0).all()
+    buffer = keys.data_ptr()
+    keys, _ = layer.update(k[:, :, :1], k[:, :, :1])
+    assert keys.data_ptr() == buffer and layer.keys.shape[-2] == 5  # written in place
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape == (1, 1, 5, 2) and torch.equal(layer.keys[0, :, :3], k[1])
+
+
+def test_rows_of_different_lengths_without_a_shared_prefix_have_no_nans(tiny_model, tokenizer):
+    """Left-padding queries see no key at all; they must not turn the cache into NaNs."""
+    from agentenv.lm.generation import SamplingConfig, TransformersPolicy
+
+    prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]
+    sampling = SamplingConfig(6, temperature=1.0, stop_strings=[])
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16", share_prefix=False)
+    batch = policy.generate(prompts, sampling, seeds=[1, 2, 3])
+    alone = [policy.generate([p], sampling, seeds=[i + 1])[0] for i, p in enumerate(prompts)]
+    for a, b in zip(batch, alone, strict=True):
+        assert not any(math.isnan(x) for x in a.sampler_logprobs)
+        assert a.token_ids == b.token_ids
+
+
+def test_cached_forward_continues_a_prefix_and_uses_the_current_argument_name(tiny_model):
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from agentenv.lm.attention import cached_forward
+
+    ids = torch.tensor([[5, 17, 300, 42, 9, 77, 1000]])
+    full = tiny_model(input_ids=ids).logits
+    model = get_peft_model(tiny_model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deprecated argument name would raise here
+        _, cache = cached_forward(model, None, input_ids=ids[:, :4])
+        logits, cache = cached_forward(
+            model, cache, input_ids=ids[:, 4:], position_ids=torch.arange(4, 7)[None]
+        )
+    assert cache.get_seq_length() == 7
+    torch.testing.assert_close(logits, full[:, 4:], atol=1e-5, rtol=1e-4)

@@ -1,0 +1,159 @@
+import json
+
+import pytest
+
+import agentenv
+from agentenv.errors import InvalidOptionError
+from agentenv.rollout.collect import ScriptedPolicy
+from agentenv.rollout.episode import ChatFormat, Episode
+from agentenv.run.evaluate import (
+    EvalConfig,
+    EvalReport,
+    compare,
+    evaluate,
+    format_table,
+    pass_at_k,
+    summarize,
+)
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [
+        (5, 2, 1, 0.4),
+        (5, 2, 2, 0.7),
+        (4, 0, 2, 0.0),
+        (4, 4, 1, 1.0),
+        (10, 3, 8, 1.0),
+        (10, 1, 3, 0.3),
+        (2, 1, 2, 1.0),
+    ],
+)
+def test_pass_at_k_known_values(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_rejects_bad_counts():
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 4)
+
+
+def make_env():
+    return agentenv.make("Calculator-v0", source="basic_arithmetic", split="test", max_turns=3)
+
+
+def scripted_policy(tokenizer):
+    """Task i: i%3==0 calculator then right answer; i%3==1 wrong answer; i%3==2 never answers."""
+    tasks = make_env()._tasks
+    index = {t.prompt: i for i, t in enumerate(tasks)}
+
+    def respond(prompt: str) -> str:
+        i = next(i for q, i in index.items() if f"<|im_start|>user\n{q}<|im_end|>" in prompt)
+        turn = prompt.count("<|im_start|>assistant") - 1
+        if i % 3 == 0:
+            expr = tasks[i].metadata["expression"]
+            call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+            return (
+                f"<tool_call>{call}</tool_call>"
+                if turn == 0
+                else f"<answer>{tasks[i].answer}</answer>"
+            )
+        if i % 3 == 1:
+            return f"<answer>{float(tasks[i].answer) + 1}</answer>"
+        return "Let me think about it."
+
+    return ScriptedPolicy(tokenizer, respond)
+
+
+def test_eval_metrics_equal_hand_computed_values(tokenizer):
+    config = EvalConfig(num_tasks=12, max_turns=5, tasks_per_batch=5)
+    report = evaluate(
+        make_env,
+        scripted_policy(tokenizer),
+        ChatFormat(tokenizer),
+        config,
+        label="scripted",
+        show_progress=False,
+    )
+    m = report.metrics
+    assert report.per_task == [1.0 if i % 3 == 0 else 0.0 for i in range(12)]
+    assert m["accuracy"] == pytest.approx(4 / 12) and m["pass@1"] == pytest.approx(4 / 12)
+    assert m["mean_reward"] == pytest.approx(4 / 12)
+    assert m["answer_rate"] == pytest.approx(8 / 12)
+    assert m["tool_call_rate"] == pytest.approx(4 / 12)
+    assert m["tool_error_rate"] == 0.0
+    assert m["mean_turns"] == pytest.approx((4 * 2 + 4 * 1 + 4 * 3) / 12)  # env max_turns=3
+    assert m["accuracy_stderr"] == pytest.approx(((1 / 3) * (2 / 3) / 12) ** 0.5)
+
+
+def test_pass_at_k_from_groups():
+    def ep(correct):
+        return Episode(
+            [1, 2], [0, 1], [0.0, -1.0], reward=float(correct), info={"correct": correct}
+        )
+
+    groups = [[ep(True), ep(False), ep(False), ep(False)], [ep(False)] * 4]
+    m = summarize(groups)
+    assert m["pass@1"] == pytest.approx(0.125)
+    assert m["pass@2"] == pytest.approx((1 - 3 / 6) / 2)
+    assert m["pass@4"] == pytest.approx(0.5)
+    assert "pass@8" not in m
+
+
+def test_report_roundtrip_and_paired_compare(tmp_path):
+    a = EvalReport({"accuracy": 0.25}, [1.0, 0.0, 0.0, 0.0], label="a")
+    b = EvalReport({"accuracy": 0.75}, [1.0, 1.0, 1.0, 0.0], label="b")
+    a.save(tmp_path / "a.json")
+    assert EvalReport.load(tmp_path / "a.json") == a
+    d = compare(a, b)
+    assert d["accuracy_diff"] == pytest.approx(0.5)
+    diffs = [0, 1, 1, 0]  # paired: stderr of the per-task differences
+    var = sum((x - 0.5) ** 2 for x in diffs) / 3
+    assert d["accuracy_diff_stderr"] == pytest.approx((var / 4) ** 0.5)
+    table = format_table([a, b])
+    assert "accuracy" in table and "0.5000 ±" in table
+    with pytest.raises(InvalidOptionError, match="different task counts"):
+        compare(a, EvalReport({}, [1.0]))
+
+
+def test_eval_config_validation():
+    with pytest.raises(InvalidOptionError, match="temperature"):
+        EvalConfig(samples=4, temperature=0.0)
+    with pytest.raises(InvalidOptionError, match="samples"):
+        EvalConfig(samples=0)
+
+
+def test_an_llm_judge_grades_each_answer_against_the_reference(tokenizer):
+    from agentenv.run.judge import LLMJudge
+
+    class Backend:  # 10 when the candidate equals the reference, else 4
+        def complete(self, chats):
+            grades = []
+            for chat in chats:
+                text = chat[1]["content"]
+                reference = text.split("Reference answer:\n")[1].split("\n")[0]
+                candidate = text.rsplit("Candidate answer:\n", 1)[1]
+                grades.append("<score>10</score>" if candidate == reference else "<score>4</score>")
+            return grades
+
+    config = EvalConfig(num_tasks=6, max_turns=5)
+    report = evaluate(
+        make_env,
+        scripted_policy(tokenizer),
+        ChatFormat(tokenizer),
+        config,
+        show_progress=False,
+        judge=LLMJudge(Backend()),
+    )
+    # tasks 0, 3 right (1.0), tasks 1, 4 wrong (0.4), tasks 2, 5 unanswered (0)
+    assert report.metrics["judge_score"] == pytest.approx((1 + 0.4 + 1 + 0.4) / 6)
+    assert report.metrics["judge_failures"] == 0.0
+
+
+def test_eval_judge_settings_fail_before_the_model_loads(capsys):
+    from agentenv.cli import main
+
+    assert main(["eval", "--judge", "localhost:8000"]) == 2
+    assert "judge must be 'local' or an http(s) base URL" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""`agentenv train` under `accelerate launch` with 2 CPU processes (gloo), tiny model."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentenv.run.train import task_seeds, task_share
+from algorithms.checkpoint import latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_process_shares_are_disjoint_and_cover_the_step():
+    for world in (1, 2, 4):
+        shares = [task_share(0, 3, 8, rank, world) for rank in range(world)]
+        assert sorted(s for share in shares for s in share) == sorted(task_seeds(0, 3, 8))
+        assert all(len(share) == 8 // world for share in shares)
+
+
+def launch(processes: int, out: Path, model: str, *extra: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])  # coin_env
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if processes > 1:
+        cmd += ["--multi_gpu", "--num_processes", str(processes)]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["-m", "agentenv.cli", "train", "--model", model, "--batch-size", "2"]
+    cmd += ["--group-size", "2", "--max-new-tokens", "4", "--eval-tasks", "0"]
+    cmd += ["--save-every", "1", "--output-dir", str(out), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_two_processes_split_the_tasks_and_only_the_main_one_writes(tiny_model_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for processes, out in ((1, one), (2, two)):
+        proc = launch(processes, out, tiny_model_dir, "--steps", "2")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (two / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]  # one row per step, not one per process
+    for step in (1, 2):  # the main process logs its share: 1 task x G=2 of the 2 tasks
+        name = f"episodes/step_{step:06d}.jsonl"
+        assert len((two / name).read_text().splitlines()) == 2
+        assert len((one / name).read_text().splitlines()) == 4
+    assert json.loads((two / "config.json").read_text())["batch_size"] == 2
+
+    proc = launch(2, two, tiny_model_dir, "--steps", "3", "--resume")  # resume, 2 processes
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").open()] == [1, 2, 3]
+    assert latest_checkpoint(two / "checkpoints").name == "step_000003"
+
+    proc = launch(2, tmp_path / "odd", tiny_model_dir, "--steps", "1", "--batch-size", "3")
+    assert proc.returncode != 0 and "multiple of the 2 processes" in proc.stderr
+
+
+def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_dir, tmp_path):
+    """The same 2 steps x 4 tasks, collected by 1 process or split over 2: the same
+    episodes (each turn samples from its own seed) and the same final adapter, up to the
+    float rounding of batched kernels and gloo's all-reduce."""
+    from safetensors.torch import load_file
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    for processes, out in ((1, one), (2, two)):
+        args = ("coin_env:CoinCalculator-v0", "--steps", "2", "--batch-size", "4")
+        proc = launch(processes, out, tiny_model_dir, *args, "--learning-rate", "1e-2")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in (1, 2):  # rank 0 logs its share, tasks 0 and 2 of the step's 4
+        name = f"episodes/step_{step:06d}.jsonl"
+        mine = [json.loads(line) for line in (two / name).read_text().splitlines()]
+        every = [json.loads(line) for line in (one / name).read_text().splitlines()]
+        share = set(task_share(0, step - 1, 4, rank=0, world=2))
+        expected = [e for e in every if e["seed"] in share]
+        assert len(mine) == len(expected) == 4  # 2 tasks x G=2
+        assert [e["input_ids"] for e in mine] == [e["input_ids"] for e in expected]
+        assert [e["reward"] for e in mine] == [e["reward"] for e in expected]
+    adapter = "checkpoints/step_000002/adapter/adapter_model.safetensors"
+    a, b = (load_file(run / adapter) for run in (one, two))
+    assert a.keys() == b.keys()
+    moved = [k for k in a if "lora_B" in k and a[k].abs().sum() > 0]
+    assert moved  # it learned: B starts at zero
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-4)
+
+
+def test_the_sampler_gathers_fsdp2_sharded_lora_weights():
+    """tests/helpers/fsdp2_sampler.py under torchrun: 2 CPU processes shard a tiny LoRA
+    model with torch's fully_shard; each sampler copy must hold the whole policy."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    script = ROOT / "tests" / "helpers" / "fsdp2_sampler.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the two processes share one pipe, so their lines may interleave ("ok 0ok 1\n\n")
+    assert sorted(re.findall(r"ok \d", proc.stdout)) == ["ok 0", "ok 1"]
+
+
+def test_sharding_the_sampler_or_checkpoints_cannot_gather_is_refused_before_loading():
+    from agentenv.errors import InvalidOptionError
+    from agentenv.run.train import check_sharding
+
+    check_sharding({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})  # ZeRO-2: fine
+    check_sharding({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})  # FSDP2: gathered
+    with pytest.raises(InvalidOptionError, match="FSDP1.*fsdp_version: 2"):
+        check_sharding({"ACCELERATE_USE_FSDP": "true"})  # accelerate's default version is 1
+    with pytest.raises(InvalidOptionError, match="ZeRO-3.*fsdp_version: 2.*zero_stage: 2"):
+        check_sharding({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
