@@ -26,14 +26,14 @@ _LAZY = {
     "Episode": "agentenv.rollout.episode",
     "EpisodeBuilder": "agentenv.rollout.episode",
     "collate": "agentenv.rollout.episode",
-    "Generation": "agentenv.lm.generation",
-    "PolicyBackend": "agentenv.lm.generation",
+    "Generation": "agentenv.lm.engine",
+    "PolicyBackend": "agentenv.lm.engine",
     "RolloutConfig": "agentenv.rollout.collect",
-    "SamplingConfig": "agentenv.lm.generation",
+    "SamplingConfig": "agentenv.lm.engine",
     "ScriptedPolicy": "agentenv.rollout.collect",
-    "TransformersPolicy": "agentenv.lm.generation",
+    "TransformersPolicy": "agentenv.lm.sampler",
     "collect": "agentenv.rollout.collect",
-    "resolve_dtype": "agentenv.lm.generation",
+    "resolve_dtype": "agentenv.lm.precision",
 }
 
 

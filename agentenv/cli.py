@@ -24,6 +24,7 @@ from typing import Any
 from agentenv import config as config_lib
 from agentenv.errors import AgentEnvError, InvalidOptionError
 from agentenv.lm.models import DEFAULT_MODEL
+from agentenv.lm.precision import DTYPES
 
 QUICKSTART_ENV = {"source": "word_problems", "prompt_style": "compact"}
 
@@ -39,9 +40,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _load_policy(args: argparse.Namespace):  # noqa: ANN202
     from agentenv.lm import models
-    from agentenv.lm.generation import resolve_dtype
-    from agentenv.run.export import base_model_for
-    from agentenv.run.train import load_from_checkpoint
+    from agentenv.lm.precision import resolve_dtype
+    from agentenv.run.export import base_model_for, load_from_checkpoint
 
     device = args.device or models.default_device()
     adapter = getattr(args, "adapter", None)
@@ -50,7 +50,7 @@ def _load_policy(args: argparse.Namespace):  # noqa: ANN202
     )
     if adapter:
         # A LoRA adapter stays unmerged: folded into bf16 weights most of a small update
-        # rounds away (the sampler computes it separately, see agentenv.lm.generation).
+        # rounds away (the sampler computes it separately, see agentenv.lm.weights).
         model = load_from_checkpoint(model, adapter).requires_grad_(False)
         model.eval()
     return model, tokenizer
@@ -86,16 +86,17 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from agentenv.run.sft import SFTRunConfig, sft
+    from agentenv.run.config import SFTRunConfig, resolve
+    from agentenv.run.sft import sft
 
     overrides = _overrides(args)
-    sft(config_lib.resolve(SFTRunConfig, args.config, overrides))
+    sft(resolve(SFTRunConfig, args.config, overrides))
     return 0
 
 
 def _train_config(args: argparse.Namespace):  # noqa: ANN202
     """Defaults, then ``--config FILE`` (or a resumed run's config.json), then flags."""
-    from agentenv.run.train import TrainConfig
+    from agentenv.run.config import TrainConfig
 
     overrides = _overrides(args)
     file = args.config
@@ -116,15 +117,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from agentenv.run.evaluate import EvalReport, EvalRunConfig, evaluate, format_table
+    from agentenv.run.config import EvalRunConfig, resolve
+    from agentenv.run.evaluate import EvalReport, evaluate, format_table
 
     if args.compare:
         print(format_table([EvalReport.load(p) for p in args.compare]))
         return 0
     overrides = _overrides(args)
-    run = config_lib.resolve(EvalRunConfig, args.config, overrides)
+    run = resolve(EvalRunConfig, args.config, overrides)
     from agentenv.env.registration import make
-    from agentenv.lm.generation import TransformersPolicy
+    from agentenv.lm.sampler import TransformersPolicy
     from agentenv.rollout.episode import ChatFormat
 
     make(run.env_id, split=run.eval.split, **run.env_kwargs).close()  # before the model loads
@@ -174,8 +176,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_quickstart(args: argparse.Namespace) -> int:
     """SFT warm start, then GRPO from it, then the before/after eval and plots."""
-    from agentenv.run.sft import SFTRunConfig, sft
-    from agentenv.run.train import TrainConfig, train
+    from agentenv.run.config import SFTRunConfig, TrainConfig
+    from agentenv.run.sft import sft
+    from agentenv.run.train import train
 
     out = args.output_dir or f"runs/quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
     ckpt = sft(
@@ -238,9 +241,7 @@ def _print_learning_signal(run_dir: str | Path) -> None:
         )
 
 
-def _env_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
-    if positional:
-        p.add_argument("env_id", nargs="?" if not positional else None)
+def _env_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--env-kwargs",
         type=config_lib.parse_json_object,
@@ -257,7 +258,7 @@ def _dtype_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None
     p.add_argument(
         "--dtype",
         default=default,
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=DTYPES,
         help="compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16, else float32",
     )
 
@@ -319,13 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "demo", help="play one episode with a model and print the transcript")
     p.add_argument("env_id", nargs="?", default="Calculator-v0")
-    _env_args(p, positional=False)
+    _env_args(p)
     p.add_argument("--adapter", default=None, help="checkpoint folder to apply")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.set_defaults(fn=_cmd_demo)
 
-    from agentenv.run.sft import SFTRunConfig
+    from agentenv.run.config import SFTRunConfig
 
     _settings_command(
         sub,
@@ -336,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Supervised warm start.",
     )
 
-    from agentenv.run.train import TrainConfig
+    from agentenv.run.config import TrainConfig
 
     p = _settings_command(
         sub,
@@ -348,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--resume", action="store_true", help="continue RUN_DIR (--output-dir)")
 
-    from agentenv.run.evaluate import EvalRunConfig
+    from agentenv.run.config import EvalRunConfig
 
     p = _settings_command(
         sub,

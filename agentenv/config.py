@@ -25,13 +25,13 @@ import copy
 import dataclasses
 import difflib
 import json
+import os
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.models import DEFAULT_MODEL
 
 T = TypeVar("T")
 
@@ -261,44 +261,6 @@ def flag_overrides(args: argparse.Namespace, dests: dict[str, tuple[str, ...]]) 
     return out
 
 
-@dataclasses.dataclass
-class CommandConfig:
-    """What every command's run config has (``TrainConfig``, ``SFTRunConfig`` and
-    ``EvalRunConfig`` extend it): the env, the model, and where and in which dtype it
-    computes. Subclasses' ``__post_init__`` call this one: it turns sections given as
-    dicts into their dataclass and rejects a bad dtype before any model loads."""
-
-    env_id: str = option("Calculator-v0", "Registered environment id (or module:Name-v0).")
-    env_kwargs: dict[str, Any] = option({}, "Constructor arguments of the env (both splits).")
-    model: str = option(DEFAULT_MODEL, "Model alias, Hugging Face id or local path.")
-    device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
-    dtype: str = option(
-        "auto",
-        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and on CPUs with "
-        "native bf16, else float32), float32, bfloat16, float16 (GPU only). Trained weights "
-        "stay float32; a LoRA run keeps its frozen base in this dtype.",
-    )
-
-    def __post_init__(self) -> None:
-        from agentenv.lm.generation import resolve_dtype
-
-        coerce_sections(self)
-        resolve_dtype(self.dtype, self.device or "cpu")
-
-
-def resolve(
-    cls: type[T],
-    file: str | Path | None = None,
-    overrides: dict[str, Any] | None = None,
-    base: dict[str, Any] | None = None,
-) -> T:
-    """``cls`` from its defaults, then ``base`` (e.g. a profile), then ``file`` (if any),
-    then ``overrides``, deep-merged.
-
-    The defaults are those of ``cls()``, so a section keeps the defaults its owner gives
-    it (a training run's rollout, say) where the file sets only some of its keys.
-    """
-    data = merge(to_dict(cls()), base or {})
-    data = merge(data, load_file(file)) if file else data
-    where = str(file) if file else "the command line"
-    return from_dict(cls, merge(data, overrides or {}), where)
+def agentenv_home() -> Path:
+    """Return agentenv's cache folder: ``$AGENTENV_HOME`` or ``~/.cache/agentenv``."""
+    return Path(os.environ.get("AGENTENV_HOME") or "~/.cache/agentenv").expanduser()

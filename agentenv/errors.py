@@ -6,6 +6,9 @@ was wrong and how to fix it ("expected X, got Y; do Z").
 Tool failures inside an episode are *not* raised: the executor turns them into an
 observation the model can read (see :mod:`agentenv.env.tools`). The tool errors here
 are used internally and recorded by type in ``info``.
+
+Errors that belong to one env live with it (``envs/<env>/errors.py``, e.g.
+:class:`envs.calculator.errors.CalculatorError`) and subclass the classes here.
 """
 
 from __future__ import annotations
@@ -63,12 +66,6 @@ class ToolTimeoutError(ToolError):
     """The tool ran past its wall-clock timeout."""
 
     kind = "timeout"
-
-
-class CalculatorError(ToolError, ValueError):
-    """An expression the safe calculator refuses (too big, not allowed, division by zero)."""
-
-    kind = "calculator"
 
 
 class ModelLoadError(AgentEnvError):

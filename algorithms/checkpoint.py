@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from agentenv.errors import InvalidOptionError
+from agentenv.lm.weights import is_sharded
 
 if TYPE_CHECKING:
     from algorithms.trainer import Trainer
@@ -117,13 +118,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 shards ``model``'s parameters (they are ``DTensor`` s)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _full_state_dict(model: torch.nn.Module, adapters_only: bool) -> dict[str, torch.Tensor]:

@@ -56,7 +56,6 @@ import copy
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Protocol
 
@@ -64,21 +63,18 @@ import torch
 from accelerate import Accelerator
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
-from agentenv.config import option
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.precision import autocast
-from agentenv.rollout.episode import collate
+from algorithms.batching import EpisodeLike, MicroBatch, pack_micro_batches, prompt_length
+from algorithms.config import (
+    REFERENCE_ADAPTER,
+    GRPOConfig,
+)
 from algorithms.logprobs import forward_logprobs, token_logprobs
-from algorithms.rewards import REWARD_COMBINATIONS, combine_rewards
-from algorithms.trainer import Trainer, TrainerConfig
+from algorithms.losses import compute_advantages, kl_estimate, policy_loss
+from algorithms.rewards import combine_rewards
+from algorithms.trainer import Trainer
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
-ADVANTAGE_NORMS = ("mean_std", "mean_only")
-ADVANTAGE_BASELINES = ("group_mean", "group_median", "global_mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_PLACEMENTS = ("loss", "reward")
-REFERENCES = ("initial", "base")
-REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 _CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -87,337 +83,7 @@ class SamplingLike(Protocol):
 
     temperature: float  # the learner divides logits by it, as the sampler did
 
-
-class EpisodeLike(Protocol):
-    """What :meth:`GRPO.learn` reads from an episode (``agentenv.rollout.episode.Episode``)."""
-
-    input_ids: list[int]  # the whole episode: prompt, policy and environment tokens
-    action_mask: list[int]  # 1 exactly on tokens the policy sampled
-    sampler_logprobs: list[float]  # the sampler's log-prob at mask-1 positions, 0.0 elsewhere
-    reward: float
     # optional: ``info["reward_components"]`` ({name: float}) for reward_combination
-
-
-@dataclass
-class GRPOConfig(TrainerConfig):
-    """Hyper-parameters of :class:`GRPO` (with :class:`~algorithms.trainer.TrainerConfig`'s
-    optimisation and LoRA settings); validated across fields on construction."""
-
-    learning_rate: float | None = option(
-        None, "Peak AdamW LR. None: 5e-5 with LoRA (adapters want a larger LR), 1e-5 full FT."
-    )
-    micro_batch_tokens: int = option(
-        768,
-        "Tokens per forward/backward: sequences x padded length, a group's shared prompt "
-        "counted once. On a CPU 768-1024 is as fast as any and keeps a step near 3 GB "
-        "(larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
-    )
-    beta: float = option(0.0, "KL coefficient to the reference; 0: no reference at all.")
-    kl_estimator: str = option(
-        "k3",
-        "k1: log(pi/ref); k2: log(pi/ref)^2 / 2; k3: ref/pi - log(ref/pi) - 1 (unbiased, >= 0; "
-        "Schulman's estimators, per policy token).",
-    )
-    reference: str = option(
-        "initial",
-        "The KL reference (beta > 0). initial: the policy as training starts; a warm-started "
-        "adapter (e.g. --init-from an SFT run) gets a frozen copy of itself as a second "
-        "adapter on the same base. base: the adapter-disabled base model, even after a "
-        "warm start.",
-    )
-    kl_placement: str = option(
-        "loss",
-        "loss: beta * KL per token in the loss (GRPO's); reward: the sequence reward minus "
-        "beta * its summed KL before advantages (verl's use_kl_in_reward; one extra "
-        "no-grad forward of policy and reference per step).",
-    )
-    epsilon_low: float = option(0.2, "Ratio clip below, 1 - epsilon_low (gspo: 3e-4).")
-    epsilon_high: float = option(
-        0.2, "Ratio clip above, 1 + epsilon_high. DAPO clip-higher: 0.28; gspo: 4e-4."
-    )
-    loss_type: str = option(
-        "dapo",
-        "grpo | dr_grpo | dapo | gspo | cispo. dapo (TRL's default) normalises per token: every "
-        "policy token weighs the same, so long multi-turn episodes are not down-weighted. "
-        "cispo (MiniMax-M1): REINFORCE on every token weighted by its importance ratio "
-        "clipped to [1 - epsilon_low, 1 + epsilon_high] with no gradient through the weight "
-        "(no token is dropped; normalised per token like dapo).",
-    )
-    advantage_norm: str = option(
-        "mean_std",
-        "mean_std: (r - baseline) / (std + eps); mean_only: r - baseline (Dr. GRPO's). The std "
-        "is the group's, or the batch's with advantage_baseline=global_mean.",
-    )
-    advantage_baseline: str = option(
-        "group_mean",
-        "group_mean (GRPO) | group_median (robust to an outlier reward) | global_mean (the "
-        "whole batch's mean and std, over processes: all-correct groups still get a signal).",
-    )
-    reward_clip: float | None = option(
-        None, "Clip rewards to [-reward_clip, reward_clip] before advantages; None: no clip."
-    )
-    reward_combination: str = option(
-        "weighted",
-        "How an env's named reward components (info['reward_components'], e.g. RAG's answer "
-        "/ retrieval / format) become the reward: weighted (the env's own weighted sum) | "
-        "uniform (their mean) | std (each divided by its batch std, summed) | pca (projection "
-        "on the batch's first principal component, sign-aligned with the sum) | l2 (norm).",
-    )
-    entropy_coef: float = option(
-        0.0,
-        "Entropy bonus: the loss minus entropy_coef x the policy tokens' entropy, aggregated "
-        "like the loss (computed from the same logits chunks; no second forward).",
-    )
-    num_iterations: int = option(1, "Optimizer steps per batch (mu); > 1 reuses it, clipped.")
-    max_completion_length: int | None = option(
-        None, "dr_grpo's per-sequence denominator; None: the batch's max policy tokens."
-    )
-
-    def __post_init__(self) -> None:
-        if self.learning_rate is None:
-            self.learning_rate = 5e-5 if self.use_lora else 1e-5
-        super().__post_init__()
-        choices = {
-            "loss_type": LOSS_TYPES,
-            "advantage_norm": ADVANTAGE_NORMS,
-            "advantage_baseline": ADVANTAGE_BASELINES,
-            "kl_estimator": KL_ESTIMATORS,
-            "kl_placement": KL_PLACEMENTS,
-            "reference": REFERENCES,
-            "reward_combination": REWARD_COMBINATIONS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise InvalidOptionError(
-                    f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
-                )
-        checks = [
-            (self.beta >= 0, "beta", "must be >= 0 (0 disables the KL term)"),
-            (0 <= self.epsilon_low < 1, "epsilon_low", "must be in [0, 1)"),
-            (self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
-            (self.num_iterations >= 1, "num_iterations", "must be >= 1"),
-            (self.entropy_coef >= 0, "entropy_coef", "must be >= 0 (0 disables the bonus)"),
-            (
-                self.reward_clip is None or self.reward_clip > 0,
-                "reward_clip",
-                "must be None or > 0",
-            ),
-            (
-                self.max_completion_length is None or self.max_completion_length >= 1,
-                "max_completion_length",
-                "must be None or >= 1",
-            ),
-        ]
-        for ok, name, rule in checks:
-            if not ok:
-                raise InvalidOptionError(f"{name} {rule}, got {getattr(self, name)!r}")
-
-
-def compute_advantages(
-    rewards: torch.Tensor,
-    norm: str = "mean_std",
-    eps: float = 1e-4,
-    *,
-    baseline: str = "group_mean",
-    reward_clip: float | None = None,
-    batch_mean_std: tuple[float, float] | None = None,
-) -> torch.Tensor:
-    """Advantages of rewards ``(B, G)``: one row per group; returns ``(B, G)``.
-
-    Rewards are first clipped to ``[-reward_clip, reward_clip]`` (if given). The baseline is
-    subtracted: the group's mean (``group_mean``) or median (``group_median``, the mean of
-    the two middle values for even G), or the whole batch's mean (``global_mean``).
-    ``mean_std`` then divides by the population std plus ``eps``: the group's for group
-    baselines, the batch's for ``global_mean``. With a group baseline, rows whose rewards
-    are all equal get exactly 0. ``batch_mean_std`` gives the batch's mean and std when the
-    batch is spread over processes (default: those of ``rewards``).
-    """
-    if rewards.dim() != 2 or norm not in ADVANTAGE_NORMS or baseline not in ADVANTAGE_BASELINES:
-        raise InvalidOptionError(
-            f"expected rewards (B, G), norm in {ADVANTAGE_NORMS} and baseline in "
-            f"{ADVANTAGE_BASELINES}, got shape {tuple(rewards.shape)}, norm={norm!r}, "
-            f"baseline={baseline!r}"
-        )
-    if reward_clip is not None:
-        rewards = rewards.clamp(-reward_clip, reward_clip)
-    if baseline == "global_mean":
-        if batch_mean_std is None:
-            batch_mean_std = (rewards.mean().item(), rewards.std(correction=0).item())
-        mean, std = batch_mean_std
-        advantages = rewards - mean  # (B, G)
-        if norm == "mean_std":
-            advantages = advantages / (std + eps)
-        return advantages
-    if baseline == "group_median":
-        base = rewards.quantile(0.5, dim=1, keepdim=True)  # (B, 1), interpolated
-    else:
-        base = rewards.mean(dim=1, keepdim=True)  # (B, 1)
-    advantages = rewards - base  # (B, G)
-    if norm == "mean_std":
-        advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
-    zero_std = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (B, 1)
-    return advantages.masked_fill(zero_std, 0.0)
-
-
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate from log-probs of the sampled tokens (same shape).
-
-    With ``d = logp - ref_logp``: ``k1 = d``, ``k2 = d^2 / 2``, ``k3 = exp(-d) + d - 1``.
-    """
-    delta = logp - ref_logp
-    if estimator == "k1":
-        return delta
-    if estimator == "k2":
-        return 0.5 * delta.square()
-    if estimator == "k3":
-        return torch.exp(-delta) + delta - 1
-    raise InvalidOptionError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-
-
-def policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    config: GRPOConfig,
-    ref_logp: torch.Tensor | None = None,
-    *,
-    entropy: torch.Tensor | None = None,
-    num_tokens: float | None = None,
-    num_sequences: float | None = None,
-    completion_length: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss (+ beta * KL - entropy_coef * H) of ``config.loss_type``.
-
-    Args:
-        logp: Current log-probs ``(N, T)`` (with grad). old_logp, ref_logp: same shape.
-        advantages: One advantage per sequence ``(N,)``.
-        action_mask: ``(N, T)``, 1 on policy tokens; nothing else gets gradient.
-        config: Supplies loss_type, epsilon_low/high, beta, kl_estimator, entropy_coef,
-            max_completion_length.
-        entropy: Per-token entropy ``(N, T)`` with grad, for ``config.entropy_coef > 0``.
-        num_tokens, num_sequences, completion_length: Whole-batch normalisers when this is
-            one micro-batch of several (default: this batch's own counts).
-
-    Returns:
-        ``(loss, metrics)``; metrics: loss, kl, clip_ratio/{low,high,region}_mean (means over
-        this batch's policy tokens).
-    """
-    mask = action_mask.bool()  # (N, T)
-    maskf = mask.to(logp.dtype)
-    tokens_per_seq = maskf.sum(-1)  # (N,)
-    logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
-    log_ratio = logp - old_logp  # (N, T)
-    if config.loss_type == "gspo":  # GSPO-token: value s_i, gradient s_i * grad(logp_t)
-        seq_log_ratio = (log_ratio * maskf).sum(-1) / tokens_per_seq.clamp(min=1)  # (N,)
-        log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()  # (N, T)
-    ratio = torch.exp(log_ratio)  # (N, T)
-    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
-    low, high = 1 - config.epsilon_low, 1 + config.epsilon_high
-    if config.loss_type == "cispo":  # REINFORCE weighted by the clipped, detached ratio
-        weight = torch.clamp(ratio, low, high).detach()  # (N, T)
-        per_token_loss = -adv * weight * logp  # (N, T)
-    else:
-        pg_loss1 = -adv * ratio  # (N, T)
-        pg_loss2 = -adv * torch.clamp(ratio, low, high)  # (N, T)
-        per_token_loss = torch.maximum(pg_loss1, pg_loss2)  # (N, T)
-    kl = torch.zeros_like(per_token_loss)
-    if ref_logp is not None:
-        kl = kl_estimate(logp, ref_logp.masked_fill(~mask, 0.0), config.kl_estimator)  # (N, T)
-        per_token_loss = per_token_loss + config.beta * kl
-    if entropy is not None and config.entropy_coef > 0:
-        per_token_loss = per_token_loss - config.entropy_coef * entropy  # (N, T)
-    masked_loss = per_token_loss * maskf  # (N, T)
-    n_seq = num_sequences if num_sequences is not None else logp.shape[0]
-    if config.loss_type in ("grpo", "gspo"):
-        loss = (masked_loss.sum(-1) / tokens_per_seq.clamp(min=1)).sum() / n_seq
-    elif config.loss_type in ("dapo", "cispo"):
-        loss = masked_loss.sum() / (num_tokens or tokens_per_seq.sum().clamp(min=1))
-    else:  # dr_grpo
-        length = completion_length or config.max_completion_length or tokens_per_seq.max()
-        loss = masked_loss.sum() / (n_seq * length)
-
-    with torch.no_grad():
-        n = maskf.sum().clamp(min=1)
-        if config.loss_type == "cispo":  # the weight is clipped whatever the sign of A
-            is_low, is_high = (ratio < low) & mask, (ratio > high) & mask
-        else:  # the clip only binds where it lowers the objective
-            is_low = (ratio < low) & (adv < 0) & mask
-            is_high = (ratio > high) & (adv > 0) & mask
-        metrics = {
-            "loss": loss.item(),
-            "kl": ((kl * maskf).sum() / n).item(),
-            "clip_ratio/low_mean": (is_low.sum() / n).item(),
-            "clip_ratio/high_mean": (is_high.sum() / n).item(),
-            "clip_ratio/region_mean": ((is_low | is_high).sum() / n).item(),
-        }
-    return loss, metrics
-
-
-@dataclass
-class MicroBatch:
-    """Right-padded tensors of a few episodes."""
-
-    input_ids: torch.Tensor  # (N, T)
-    attention_mask: torch.Tensor  # (N, T)
-    action_mask: torch.Tensor  # (N, T)
-    sampler_logprobs: torch.Tensor  # (N, T)
-    advantages: torch.Tensor  # (N,)
-
-    @classmethod
-    def from_episodes(
-        cls,
-        episodes: Sequence[EpisodeLike],
-        advantages: Sequence[float],
-        pad_token_id: int,
-        device: torch.device | str | None = None,
-    ) -> MicroBatch:
-        """Right-padded tensors of :func:`agentenv.rollout.episode.collate` (the one collate), on
-        ``device``."""
-        batch = collate(episodes, advantages, pad_token_id)
-        return cls(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            action_mask=batch["action_mask"].long().to(device),
-            sampler_logprobs=batch["sampler_logprobs"].to(device),
-            advantages=batch["advantages"].to(device),
-        )
-
-
-def pack_micro_batches(
-    lengths: Sequence[int],
-    token_budget: int,
-    shared: Sequence[tuple[int, int]] | None = None,
-) -> list[list[int]]:
-    """Group indices, longest first, while a micro-batch's cost stays within ``token_budget``.
-
-    Without ``shared`` the cost is ``len(batch) * longest``. With ``shared[i] = (key,
-    prefix)``, sequences with the same key begin with the same ``prefix`` tokens (a GRPO
-    group's prompt); only they are packed together, and the prefix is counted once:
-    ``prefix + len(batch) * (longest - prefix)`` (it runs once, see
-    :func:`algorithms.logprobs.forward_logprobs`). A sequence over the budget gets a
-    micro-batch of its own.
-    """
-    keys = [(k, p) for k, p in shared] if shared is not None else [(0, 0)] * len(lengths)
-    order = sorted(range(len(lengths)), key=lambda i: (keys[i][0], -lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        key, prefix = keys[i]
-        last = batches[-1] if batches else None
-        if (
-            last is not None
-            and keys[last[0]][0] == key
-            and prefix + (len(last) + 1) * (lengths[last[0]] - prefix) <= token_budget
-        ):
-            last.append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-def _prompt_length(action_mask: Sequence[int]) -> int:
-    """Tokens before the first policy token (the episode's prompt)."""
-    return next((t for t, m in enumerate(action_mask) if m), len(action_mask))
 
 
 class GRPO(Trainer):
@@ -657,7 +323,7 @@ class GRPO(Trainer):
             cfg.max_completion_length or self._global([max(policy_counts, default=0)], "max")[0]
         )
         prompts = [  # a group's episodes share their prompt: pack them together
-            (i // g, _prompt_length(episodes[i].action_mask)) for i in keep
+            (i // g, prompt_length(episodes[i].action_mask)) for i in keep
         ]
         packs = pack_micro_batches(
             [len(episodes[i].input_ids) for i in keep], cfg.micro_batch_tokens, prompts

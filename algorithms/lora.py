@@ -23,9 +23,12 @@ def apply_lora(
     """Wrap ``model`` with fresh LoRA adapters, or keep a PeftModel's own adapters trainable.
 
     A model that already is a :class:`peft.PeftModel` (e.g. loaded from an SFT
-    checkpoint to continue with GRPO) is returned as is, adapters unfrozen, so its
-    adapter-disabled base is still the reference policy. The adapter initialisation
-    is seeded with ``seed`` without touching the caller's RNG.
+    checkpoint to continue with GRPO) is returned as is, only its active adapter
+    unfrozen; any other adapter stays frozen. That matters for GRPO's KL reference (see
+    :mod:`algorithms.grpo`, "Reference policy"): a fresh adapter (B = 0) uses the
+    adapter-disabled base, a warm-started one a frozen copy of itself (the
+    ``"reference"`` adapter), and ``reference="base"`` keeps the adapter-disabled base.
+    The adapter initialisation is seeded with ``seed`` without touching the caller's RNG.
 
     ``last_layers=n`` adapts only the top ``n`` transformer layers. Backpropagation then
     stops at the lowest adapted layer, so the backward pass costs about ``n / L`` of a

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from agentenv.errors import InvalidOptionError
+from algorithms.config import REWARD_COMBINATIONS
 
-REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
 _EPS = 1e-8
 
 

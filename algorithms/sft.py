@@ -13,49 +13,19 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from agentenv.config import option
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.precision import autocast
 from agentenv.rollout.episode import collate
-from algorithms.grpo import EpisodeLike, pack_micro_batches
+from algorithms.batching import EpisodeLike, pack_micro_batches
+from algorithms.config import SFTConfig
 from algorithms.logprobs import token_logprobs
-from algorithms.trainer import Trainer, TrainerConfig, check_schedule
-
-
-@dataclass
-class SFTConfig(TrainerConfig):
-    """Hyper-parameters of :class:`SFT` (with :class:`~algorithms.trainer.TrainerConfig`'s
-    optimisation and LoRA settings)."""
-
-    learning_rate: float | None = option(2e-4, "Peak AdamW LR (LoRA adapters want a large LR).")
-    micro_batch_tokens: int = option(
-        1024,
-        "Sequences x padded length per forward/backward. 1024 is fastest and leanest on a "
-        "CPU (larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
-    )
-    epochs: int = option(2, "Passes over the episodes in :meth:`SFT.fit`.")
-    batch_size: int = option(16, "Episodes per optimizer step.")
-    total_steps: int | None = option(None, "Optimizer steps, for linear/cosine decay.")
-
-    def __post_init__(self) -> None:
-        if self.learning_rate is None:
-            self.learning_rate = 2e-4
-        super().__post_init__()
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        check_schedule(self.lr_scheduler, self.warmup_steps, self.total_steps)
-
-
-def masked_nll(logp: torch.Tensor, action_mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
-    """``-sum(logp * mask) / num_tokens``; ``logp`` and ``action_mask`` are ``(N, T)``."""
-    return -(logp * action_mask).sum() / num_tokens
+from algorithms.losses import masked_nll
+from algorithms.trainer import Trainer
 
 
 class SFT(Trainer):

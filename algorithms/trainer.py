@@ -16,7 +16,6 @@ are arguments, not config fields: ``total_steps`` (the horizon of a decaying LR)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,11 @@ from accelerate import Accelerator
 from peft import PeftModel
 from transformers import get_scheduler
 
-from agentenv.config import option
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import use_cpu_bf16_attention
 from agentenv.lm.precision import compute_dtype
+from algorithms.config import TrainerConfig, check_schedule
 from algorithms.lora import apply_lora
-
-LR_SCHEDULERS = ("constant", "linear", "cosine")
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def default_accelerator(model: torch.nn.Module) -> Accelerator:
@@ -46,61 +42,6 @@ def default_accelerator(model: torch.nn.Module) -> Accelerator:
     """
     param = next(model.parameters(), None)
     return Accelerator(cpu=param is not None and param.device.type == "cpu")
-
-
-def check_schedule(lr_scheduler: str, warmup_steps: int, total_steps: int | None) -> None:
-    """A decaying LR needs the run's length: raise naming the fix if it is missing."""
-    if total_steps is not None and total_steps < max(1, warmup_steps):
-        raise InvalidOptionError(
-            f"total_steps must be >= max(1, warmup_steps={warmup_steps}), got {total_steps}"
-        )
-    if lr_scheduler != "constant" and total_steps is None:
-        raise InvalidOptionError(
-            f"lr_scheduler={lr_scheduler!r} decays over the run's steps, got total_steps=None; "
-            "pass total_steps=<optimizer steps> to the trainer or use lr_scheduler='constant'"
-        )
-
-
-@dataclass
-class TrainerConfig:
-    """Optimisation and LoRA settings every trainer has (GRPOConfig and SFTConfig extend it)."""
-
-    learning_rate: float | None = option(None, "Peak AdamW LR (each algorithm sets a default).")
-    micro_batch_tokens: int = option(1024, "Tokens per forward/backward (sequences x length).")
-    max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
-    weight_decay: float = option(0.0, "AdamW weight decay.")
-    warmup_steps: int = option(0, "Linear LR warmup, in optimizer steps.")
-    lr_scheduler: str = option(
-        "constant", "constant | linear | cosine (to 0 at the trainer's total_steps)."
-    )
-    use_lora: bool = option(True, "Train LoRA adapters (peft); False: full fine-tuning.")
-    lora_r: int = option(16, "LoRA rank.")
-    lora_alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
-    lora_target_modules: list[str] = option(LORA_TARGETS, "Module names that get adapters.")
-    lora_layers: int | None = option(
-        None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
-    )
-    gradient_checkpointing: bool = option(False, "Recompute activations: less memory, slower.")
-
-    def __post_init__(self) -> None:
-        if self.lr_scheduler not in LR_SCHEDULERS:
-            raise InvalidOptionError(
-                f"lr_scheduler must be one of {LR_SCHEDULERS}, got {self.lr_scheduler!r}"
-            )
-        checks = [
-            (self.learning_rate is None or self.learning_rate > 0, "learning_rate", "> 0"),
-            (self.micro_batch_tokens >= 1, "micro_batch_tokens", ">= 1"),
-            (self.max_grad_norm > 0, "max_grad_norm", "> 0"),
-            (self.weight_decay >= 0, "weight_decay", ">= 0"),
-            (self.warmup_steps >= 0, "warmup_steps", ">= 0"),
-            (self.lora_r >= 1, "lora_r", ">= 1"),
-            (0 <= self.lora_dropout < 1, "lora_dropout", "in [0, 1)"),
-            (bool(self.lora_target_modules), "lora_target_modules", "naming >= 1 module"),
-        ]
-        for ok, name, rule in checks:
-            if not ok:
-                raise InvalidOptionError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
 
 class Trainer:

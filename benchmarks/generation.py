@@ -112,10 +112,9 @@ def hf_generate(model: Any, tokenizer: Any, batch: list[list[int]], args: Any, *
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from agentenv import SamplingConfig, TransformersPolicy, resolve_dtype
     from agentenv.lm import models
-    from agentenv.lm.generation import SamplingConfig, TransformersPolicy, resolve_dtype
-    from algorithms.lora import apply_lora
-    from algorithms.trainer import LORA_TARGETS
+    from algorithms import GRPOConfig, apply_lora
 
     args = parse_args(argv)
     model, tokenizer = models.load(args.model)
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         runs["agentenv"] = policy_run(default, sampling)
     if "agentenv_lora" in chosen:
         base = copy.deepcopy(model).to(auto)
-        trained = apply_lora(base, 16, 32, 0.0, LORA_TARGETS, args.seed)
+        trained = apply_lora(base, 16, 32, 0.0, GRPOConfig().lora_target_modules, args.seed)
         with torch.no_grad():  # an adapter that has been trained a little
             for name, p in trained.named_parameters():
                 if "lora_B" in name:

@@ -20,13 +20,18 @@ episode at the first turn without a tool call and runs at most
 turn with neither a tool call nor an answer with a format reminder and goes on, so by
 default a wrapper ends its episodes there too. ``--turn-rule agentenv`` keeps agentenv's
 native behaviour (more turns and tokens per step for a model that does not call tools).
+
+Files: this one holds the arguments, the orchestration (each system runs in a fresh
+interpreter that re-runs this script with ``--worker agentenv|trl``) and the report;
+``grpo_step_agentenv.py`` and ``grpo_step_trl.py`` hold the two systems' runners,
+``_grpo_step_settings.py`` what they share (env, task ids, reward noise, LoRA, dtype) and
+``_common.py`` the peak-memory and thread-count measurements.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib.util
 import json
 import os
@@ -34,13 +39,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ENV_ID = "Calculator-v0"
-TOOL_SLACK = 64  # completion tokens per tool round allowed for the tool result (TRL's budget)
+from _common import torch_threads
+from _grpo_step_settings import ENV_ID, TOOL_SLACK, compute_dtype, lora_settings
+
 _RESULT_KEYS = (
     "setup_s",
     "setup_rss_mb",
@@ -50,6 +54,9 @@ _RESULT_KEYS = (
     "template",
 )
 INSTALL_HINT = 'TRL is not installed; install the benchmark extra: pip install -e ".[bench]"'
+
+
+# ---- arguments --------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,377 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def task_ids(args: argparse.Namespace, step: int) -> list[int]:
-    """The train-split task ids of one step: the same in both systems."""
-    return list(range(step * args.batch_size, (step + 1) * args.batch_size))
-
-
-def token_hash(ids: list[int]) -> float:
-    """A stable pseudo-random number in [0, 1) for a token sequence (the --reward-noise term)."""
-    digest = hashlib.blake2b(str(list(ids)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
-def make_env(args: argparse.Namespace) -> Any:
-    import agentenv
-
-    return agentenv.make(
-        ENV_ID,
-        split="train",
-        source=args.source,
-        prompt_style=args.prompt_style,
-        max_turns=args.max_turns,
-    )
-
-
-def lora_settings() -> dict[str, Any]:
-    """agentenv's GRPO LoRA defaults; TRL gets the same via ``peft_config``."""
-    from algorithms.grpo import GRPOConfig
-
-    c = GRPOConfig()
-    return {
-        "r": c.lora_r,
-        "alpha": c.lora_alpha,
-        "dropout": c.lora_dropout,
-        "targets": list(c.lora_target_modules),
-    }
-
-
-def peak_rss_mb() -> float | None:
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes / KiB
-
-
-def _memory(device: str) -> dict[str, float | None]:
-    out: dict[str, float | None] = {"peak_rss_mb": peak_rss_mb()}
-    if device.startswith("cuda"):
-        import torch
-
-        out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    return out
-
-
-# ---- agentenv ---------------------------------------------------------------------------
-
-
-def _stop_without_tool_call(env: Any) -> Any:
-    """Wrap ``env`` so a turn with neither tool call nor answer ends the episode (TRL's rule)."""
-    import gymnasium as gym
-
-    class StopWithoutToolCall(gym.Wrapper):
-        def step(self, action: str) -> tuple[Any, ...]:
-            obs, reward, terminated, truncated, info = self.env.step(action)
-            if not (terminated or truncated) and obs and all(m["role"] == "user" for m in obs):
-                truncated = True  # the env's format reminder: TRL would stop here
-            return obs, reward, terminated, truncated, info
-
-    return StopWithoutToolCall(env)
-
-
-def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
-    """Setup, then ``steps`` x (collect + learn), timed per phase."""
-    import torch
-
-    from agentenv.lm import models
-    from agentenv.lm.generation import SamplingConfig, TransformersPolicy, resolve_dtype
-    from agentenv.rollout.collect import RolloutConfig, collect
-    from agentenv.rollout.episode import ChatFormat
-    from agentenv.run.train import training_dtype
-    from algorithms.grpo import GRPO, GRPOConfig
-
-    t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
-    compute = resolve_dtype(args.dtype, args.device)
-    model, tokenizer = models.load(
-        args.model,
-        dtype=training_dtype(compute, use_lora=not args.full_finetune),
-        device=args.device,
-    )
-    config = GRPOConfig(
-        learning_rate=args.learning_rate,
-        beta=0.0,
-        loss_type="dapo",
-        num_iterations=1,
-        use_lora=not args.full_finetune,
-    )
-    rollout = RolloutConfig(
-        args.group_size,
-        args.max_turns,
-        4096,  # budget never binds: limits are per turn
-        SamplingConfig(args.max_new_tokens, temperature=1.0),
-        show_progress=False,
-    )
-    algo = GRPO(model, tokenizer, config, sampling=rollout.sampling, seed=args.seed, dtype=compute)
-    fmt = ChatFormat(tokenizer)
-    policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
-
-    def env_factory() -> Any:
-        env = make_env(args)
-        return _stop_without_tool_call(env) if args.turn_rule == "trl" else env
-
-    probe = make_env(args)
-    ids = [i for s in range(args.steps) for i in task_ids(args, s)]
-    prompt_tokens = [len(fmt.prompt_ids(probe.reset(options={"task_id": i})[0])) for i in ids]
-    probe.close()
-    result: dict[str, Any] = {"setup_s": time.perf_counter() - t0, "steps": []}
-    result["setup_rss_mb"] = peak_rss_mb()
-    result["prompt_tokens"] = statistics.mean(prompt_tokens)
-    for step in range(args.steps):
-        tasks = task_ids(args, step)
-        start = time.perf_counter()
-        groups, m = collect(
-            env_factory, tasks, policy, fmt, rollout, options=[{"task_id": i} for i in tasks]
-        )
-        episodes = [ep for group in groups for ep in group]
-        for ep in episodes:
-            policy_ids = [t for t, a in zip(ep.input_ids, ep.action_mask, strict=True) if a]
-            ep.reward += args.reward_noise * token_hash(policy_ids)
-        models.release_memory()  # as `agentenv train` does after each phase
-        t_learn = time.perf_counter()
-        metrics = algo.learn(groups)
-        models.release_memory()
-        end = time.perf_counter()
-        result["steps"].append(
-            {
-                "total_s": end - start,
-                "generate_s": m["rollout/generate_s"],
-                "env_s": m["rollout/env_s"],
-                "learn_s": end - t_learn,
-                "tokens": m["rollout/tokens"],
-                "turns": statistics.mean(ep.num_turns for ep in episodes),
-                "reward": metrics["rewards/mean"],
-                "frac_reward_zero_std": metrics["frac_reward_zero_std"],
-            }
-        )
-    return {**result, **_memory(args.device)}
-
-
-# ---- TRL --------------------------------------------------------------------------------
-
-
-def _timed_trainer_class() -> type:
-    """GRPOTrainer that adds up time spent generating, in the tool loop and in rewards."""
-    from trl import GRPOTrainer
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            super().__init__(*a, **kw)
-            self.clock: dict[str, float] = defaultdict(float)
-
-        def _generate_single_turn(self, prompt_ids: list, *a: Any, **kw: Any) -> Any:
-            start = time.perf_counter()
-            ids, logprobs = super()._generate_single_turn(prompt_ids, *a, **kw)
-            self.clock["generate_s"] += time.perf_counter() - start
-            self.clock["tokens"] += sum(len(x) for x in ids)
-            self.clock["sequences"] += len(ids)
-            return ids, logprobs
-
-        def _tool_call_loop(self, *a: Any, **kw: Any) -> Any:
-            start, gen = time.perf_counter(), self.clock["generate_s"]
-            out = super()._tool_call_loop(*a, **kw)  # its generation is counted above
-            gen_inside = self.clock["generate_s"] - gen
-            self.clock["env_s"] += time.perf_counter() - start - gen_inside
-            return out
-
-        def _calculate_rewards(self, *a: Any, **kw: Any) -> Any:
-            start = time.perf_counter()
-            out = super()._calculate_rewards(*a, **kw)
-            self.clock["env_s"] += time.perf_counter() - start
-            return out
-
-        def _generate_and_score_completions(self, *a: Any, **kw: Any) -> Any:
-            start = time.perf_counter()
-            out = super()._generate_and_score_completions(*a, **kw)
-            self.clock["collect_s"] += time.perf_counter() - start
-            return out
-
-    return TimedGRPOTrainer
-
-
-def _step_timer(episodes_per_step: int) -> Any:
-    """A TrainerCallback that records each optimizer step's time and phase split."""
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.trainer: Any = None  # set once the trainer exists
-            self.steps: list[dict[str, float]] = []
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self._start, self._clock = time.perf_counter(), dict(self.trainer.clock)
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            total = time.perf_counter() - self._start
-            d = {k: v - self._clock.get(k, 0.0) for k, v in self.trainer.clock.items()}
-            self.steps.append(
-                {
-                    "total_s": total,
-                    "generate_s": d.get("generate_s", 0.0),
-                    "env_s": d.get("env_s", 0.0),
-                    "learn_s": total - d.get("collect_s", 0.0),
-                    "tokens": d.get("tokens", 0.0),
-                    "turns": d.get("sequences", 0.0) / episodes_per_step,
-                }
-            )
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-            if self.steps and logs and "reward" in logs:
-                self.steps[-1]["reward"] = logs["reward"]
-                self.steps[-1]["frac_reward_zero_std"] = logs.get("frac_reward_zero_std", 0.0)
-
-    return StepTimer()
-
-
-def _tool_tokenizer(tokenizer: Any) -> tuple[Any, str]:
-    """The tokenizer with a tool-capable template (agentenv.integrations.trl), and its name."""
-    from agentenv.integrations.trl import tool_chat_template
-
-    own = tokenizer.chat_template
-    tokenizer = tool_chat_template(tokenizer)
-    return (
-        tokenizer,
-        "the model's own" if tokenizer.chat_template == own else "trl/chat_templates/qwen2_5.jinja",
-    )
-
-
-def _trl_prompt(env: Any, task_id: int, prompt_style: str) -> list[dict[str, str]]:
-    """The env's opening messages; with ``full``, TRL's template lists the tool itself."""
-    system, user = env.reset(options={"task_id": task_id})[0]
-    if prompt_style == "full":  # keep the instructions, drop agentenv's own tool section
-        system = {"role": "system", "content": env.unwrapped.instructions()}
-    return [system, user]
-
-
-def _reward_fn(env: Any, reward_noise: float) -> Any:
-    """TRL reward: the Calculator env's own parser and ``score`` on the first answer given."""
-    inner = env.unwrapped
-
-    def calculator_reward(
-        completions: list, completion_ids: list, task_id: list, **kw: Any
-    ) -> list[float]:
-        rewards = []
-        for messages, ids, tid in zip(completions, completion_ids, task_id, strict=True):
-            answers = [
-                inner.parser.parse(m.get("content") or "").answer
-                for m in messages
-                if m["role"] == "assistant"
-            ]
-            answer = next((a for a in answers if a is not None), None)
-            score = inner.score(answer, inner.get_task(tid))[0] if answer is not None else 0.0
-            rewards.append(score + reward_noise * token_hash(ids))
-        return rewards
-
-    return calculator_reward
-
-
-def _compute_dtype(args: argparse.Namespace) -> str:
-    """``--dtype`` resolved on this machine: the same compute dtype for both systems."""
-    from agentenv.lm.generation import resolve_dtype
-
-    return str(resolve_dtype(args.dtype, args.device)).removeprefix("torch.")
-
-
-def _trl_config(args: argparse.Namespace, output_dir: str) -> Any:
-    from trl import GRPOConfig
-
-    return GRPOConfig(
-        output_dir=output_dir,
-        max_steps=args.steps,
-        seed=args.seed,
-        per_device_train_batch_size=args.batch_size * args.group_size,
-        gradient_accumulation_steps=1,
-        num_generations=args.group_size,
-        generation_kwargs={"max_new_tokens": args.max_new_tokens},  # per turn, like agentenv
-        max_completion_length=args.max_turns * (args.max_new_tokens + TOOL_SLACK),
-        max_tool_calling_iterations=args.max_turns - 1,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        beta=0.0,
-        loss_type="dapo",
-        epsilon=0.2,
-        num_iterations=1,
-        scale_rewards="group",
-        use_cpu=args.device == "cpu",
-        bf16=_compute_dtype(args) == "bfloat16",  # TRL's mixed precision: fp32 weights
-        fp16=_compute_dtype(args) == "float16",
-        gradient_checkpointing=False,
-        shuffle_dataset=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-
-
-def run_trl(args: argparse.Namespace) -> dict[str, Any]:
-    """Setup, then ``trainer.train()`` for ``steps`` optimizer steps, timed by a callback."""
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-
-    from agentenv.lm import models
-    from envs.calculator import calculator
-
-    t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
-    model, tokenizer = models.load(args.model, device=args.device)
-    tokenizer, template = _tool_tokenizer(tokenizer)
-    env = make_env(args)
-    ids = [i for s in range(args.steps) for i in task_ids(args, s)]
-    rows = [{"prompt": _trl_prompt(env, i, args.prompt_style), "task_id": i} for i in ids]
-    prompt_tokens = [
-        len(
-            tokenizer.apply_chat_template(
-                r["prompt"], tools=[calculator.fn], add_generation_prompt=True, return_dict=True
-            )["input_ids"]
-        )
-        for r in rows
-    ]
-    lora = lora_settings()
-    peft_config = (
-        None
-        if args.full_finetune
-        else LoraConfig(
-            task_type="CAUSAL_LM",
-            r=lora["r"],
-            lora_alpha=lora["alpha"],
-            lora_dropout=lora["dropout"],
-            target_modules=lora["targets"],
-        )
-    )
-    timer = _step_timer(args.batch_size * args.group_size)
-    with tempfile.TemporaryDirectory() as output_dir:
-        trainer = _timed_trainer_class()(
-            model=model,
-            reward_funcs=_reward_fn(env, args.reward_noise),
-            args=_trl_config(args, output_dir),
-            train_dataset=Dataset.from_list(rows),
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            tools=[calculator.fn],
-            callbacks=[timer],
-        )
-        timer.trainer = trainer
-        result: dict[str, Any] = {"setup_s": time.perf_counter() - t0, "template": template}
-        result["setup_rss_mb"] = peak_rss_mb()
-        result["prompt_tokens"] = statistics.mean(prompt_tokens)
-        trainer.train()
-    env.close()
-    return {**result, "steps": timer.steps, **_memory(args.device)}
-
-
 # ---- orchestration and report -----------------------------------------------------------
 
 
@@ -517,8 +153,8 @@ def matched_settings(args: argparse.Namespace) -> list[str]:
         targets = ",".join(lo["targets"])
         lora = f"LoRA r={lo['r']} alpha={lo['alpha']} dropout={lo['dropout']} on {targets}"
     return [
-        f"model {args.model}, {args.device}, compute dtype {_compute_dtype(args)} (--dtype "
-        f"{args.dtype}), torch threads {_threads()}",
+        f"model {args.model}, {args.device}, compute dtype {compute_dtype(args)} (--dtype "
+        f"{args.dtype}), torch threads {torch_threads()}",
         f"{ENV_ID} source={args.source} prompt_style={args.prompt_style}; same task ids; "
         f"same calculator tool and scoring",
         f"B={args.batch_size} tasks x G={args.group_size} per step; temperature 1.0, no top-k/p",
@@ -530,12 +166,6 @@ def matched_settings(args: argparse.Namespace) -> list[str]:
         "(r-mean)/std per group, gradient checkpointing off"
         + (f"; reward += {args.reward_noise:g} x token hash" if args.reward_noise else ""),
     ]
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 ROWS = [  # (label, key, format)
@@ -595,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.worker:
-        result = run_agentenv(args) if args.worker == "agentenv" else run_trl(args)
+        if args.worker == "agentenv":
+            from grpo_step_agentenv import run_agentenv as run
+        else:
+            from grpo_step_trl import run_trl as run
+        result = run(args)
         Path(args.result_file).write_text(json.dumps(result))
         return 0
     systems = [args.only] if args.only else ["agentenv", "trl"]

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from _common import torch_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -218,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     print(
-        f"machine: {os.cpu_count()} CPUs, torch threads = {_torch_threads()}, load average "
+        f"machine: {os.cpu_count()} CPUs, torch threads = {torch_threads()}, load average "
         f"{os.getloadavg()[0]:.1f} (other processes competing for the CPUs inflate latencies)"
     )
     start = time.perf_counter()
@@ -242,12 +243,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         "the measured throughput because random unit vectors were indexed at that size. "
         "kept / peak MiB: memory the BM25 index keeps / peak while building it (tracemalloc)."
     )
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 if __name__ == "__main__":

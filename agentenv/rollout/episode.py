@@ -27,7 +27,7 @@ Rules (docs/design.md §3):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -202,10 +202,6 @@ class Episode:
                 spans.append((start, i))
                 start = None
         return spans
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form (for ``episodes/*.jsonl``)."""
-        return asdict(self)
 
 
 class EpisodeBuilder:

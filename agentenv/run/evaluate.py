@@ -17,78 +17,12 @@ from typing import Any
 import gymnasium as gym
 from tqdm.auto import tqdm
 
-from agentenv.config import CommandConfig, option
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.generation import PolicyBackend, SamplingConfig
-from agentenv.rollout.collect import RolloutConfig, collect
+from agentenv.lm.engine import PolicyBackend, SamplingConfig
+from agentenv.rollout.collect import collect
+from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode
-
-
-@dataclass
-class EvalConfig:
-    """What to evaluate."""
-
-    split: str = option("test", "Split to evaluate: test or train.")
-    num_tasks: int | None = option(200, "The split's first N tasks (none: all of them).")
-    samples: int = option(1, "Episodes per task (K); pass@k is reported for k = 1, 2, 4 .. K.")
-    temperature: float = option(0.0, "Sampling temperature; 0 = greedy (the default for K=1).")
-    max_turns: int = option(5, "Policy turns per episode.")
-    max_new_tokens: int = option(128, "Tokens per policy turn.")
-    max_episode_tokens: int = option(2048, "Token budget per episode.")
-    tasks_per_batch: int = option(16, "Tasks whose episodes are generated together.")
-    seed: int = option(0, "Base reset seed (task i uses seed + i).")
-
-    def __post_init__(self) -> None:
-        if self.samples < 1:
-            raise InvalidOptionError(f"samples must be >= 1, got {self.samples}")
-        if self.num_tasks is not None and self.num_tasks < 1:
-            raise InvalidOptionError(f"num_tasks must be >= 1 or None, got {self.num_tasks}")
-        if self.split not in ("train", "test"):
-            raise InvalidOptionError(f"split must be 'train' or 'test', got {self.split!r}")
-        if self.samples > 1 and self.temperature == 0:
-            raise InvalidOptionError(
-                "samples > 1 with temperature 0 gives K identical greedy episodes; "
-                "set temperature > 0 (e.g. 1.0)"
-            )
-
-
-@dataclass
-class EvalRunConfig(CommandConfig):
-    """Settings of an ``agentenv eval`` run; ``eval`` is the evaluation's section."""
-
-    adapter: str | None = option(None, "Checkpoint folder to apply (adapter/ or model/).")
-    label: str | None = option(None, "Name of the model in the report (default: model+adapter).")
-    judge: str | None = option(
-        None,
-        "Also grade final answers with an LLM judge (metric judge_score, 0..1): 'local' (the "
-        "bundled SmolLM2: offline, weak) or an OpenAI-compatible base URL "
-        "(http://HOST:PORT/v1; --judge-model names its model).",
-    )
-    judge_model: str | None = option(None, "The model name an OpenAI-compatible judge expects.")
-    output: str | None = option(None, "Write the report as JSON to this path.")
-    eval: EvalConfig = option(
-        EvalConfig(max_turns=3, max_new_tokens=96), "What to evaluate (section)."
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.judge is not None and self.judge != "local":
-            if not self.judge.startswith(("http://", "https://")) or not self.judge_model:
-                raise InvalidOptionError(
-                    f"judge must be 'local' or an http(s) base URL with judge_model set, got "
-                    f"judge={self.judge!r}, judge_model={self.judge_model!r}"
-                )
-
-    def make_judge(self) -> Any:
-        """The :class:`~agentenv.run.judge.LLMJudge` this run asked for, or ``None``."""
-        from agentenv.run.judge import LLMJudge, OpenAIJudge, TransformersJudge
-
-        if self.judge is None:
-            return None
-        if self.judge == "local":
-            return LLMJudge(TransformersJudge.default())
-        assert self.judge_model is not None
-        return LLMJudge(OpenAIJudge(self.judge, self.judge_model))
+from agentenv.run.config import EvalConfig
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

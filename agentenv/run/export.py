@@ -16,6 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.models import DEFAULT_MODEL
 
@@ -72,7 +74,7 @@ def export_checkpoint(
     import torch
 
     from agentenv.lm import models
-    from agentenv.run.train import load_from_checkpoint
+    from agentenv.run.export import load_from_checkpoint
 
     base = base_model_for(checkpoint, model)
     policy, tokenizer = models.load(base, dtype="float32", device="cpu")
@@ -97,3 +99,25 @@ def export_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def load_from_checkpoint(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
+    """Apply a checkpoint's weights to a freshly loaded base model.
+
+    A LoRA checkpoint (``folder/adapter``) returns a trainable ``PeftModel``; a full
+    checkpoint (``folder/model``) is loaded into ``model`` in place.
+    """
+    folder = Path(folder)
+    from peft import PeftModel
+
+    if (folder / "adapter").is_dir():
+        return PeftModel.from_pretrained(model, str(folder / "adapter"), is_trainable=True)
+    if (folder / "model").is_dir():
+        from algorithms.checkpoint import load_model_weights
+
+        load_model_weights(model, folder / "model")
+        return model
+    raise InvalidOptionError(
+        f"init_from={str(folder)!r} has neither adapter/ nor model/; pass a checkpoint folder "
+        "written by `agentenv sft` or `agentenv train` (e.g. RUN/checkpoints/step_000010)"
+    )

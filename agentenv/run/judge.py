@@ -231,7 +231,8 @@ class TransformersJudge:
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int = 16):
-        from agentenv.lm.generation import SamplingConfig, TransformersPolicy
+        from agentenv.lm.engine import SamplingConfig
+        from agentenv.lm.sampler import TransformersPolicy
         from agentenv.rollout.episode import ChatFormat
 
         self.format = ChatFormat(tokenizer)

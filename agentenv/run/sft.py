@@ -8,32 +8,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv import config as config_lib
-from agentenv.config import CommandConfig, option
 from agentenv.env.registration import env_name
-from agentenv.errors import InvalidOptionError
-from agentenv.lm.generation import resolve_dtype
-from algorithms.sft import SFTConfig
-
-
-@dataclass
-class SFTRunConfig(CommandConfig):
-    """Settings of an ``agentenv sft`` run; ``sft`` is the trainer's section (a dict of its
-    fields works too, e.g. ``sft={"epochs": 3}``)."""
-
-    num_demos: int = option(256, "Train-split tasks demonstrated.")
-    output_dir: str | None = option(None, "Run directory (default runs/sft-<env>-<time>).")
-    seed: int = option(0, "Seed of task choice, LoRA init and episode shuffling.")
-    max_episode_tokens: int = option(1024, "Token cap per demonstration.")
-    sft: SFTConfig = option(SFTConfig(), "SFT hyper-parameters (section).")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_demos < 1:
-            raise InvalidOptionError(f"num_demos must be >= 1, got {self.num_demos}")
+from agentenv.lm.precision import resolve_dtype
+from agentenv.run.config import SFTRunConfig
 
 
 def sft(config: SFTRunConfig) -> Path:
@@ -42,9 +22,9 @@ def sft(config: SFTRunConfig) -> Path:
 
     from agentenv.env.registration import make
     from agentenv.lm import models
+    from agentenv.lm.precision import training_dtype
     from agentenv.rollout.demos import demonstration_episodes
     from agentenv.rollout.episode import ChatFormat
-    from agentenv.run.train import training_dtype
     from algorithms.sft import SFT
 
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -26,7 +26,6 @@ import random
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,90 +33,11 @@ import torch
 from tqdm.auto import tqdm
 
 from agentenv import config as config_lib
-from agentenv.config import CommandConfig, option
 from agentenv.env.registration import env_name
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.generation import SamplingConfig, resolve_dtype
-from agentenv.rollout.collect import RolloutConfig
-from agentenv.run.profiles import profile_settings
-from algorithms.grpo import GRPOConfig
-
-
-def _training_rollout() -> RolloutConfig:
-    return RolloutConfig(
-        group_size=8,
-        max_turns=3,
-        max_episode_tokens=1024,
-        sampling=SamplingConfig(max_new_tokens=64),
-        show_progress=False,
-    )
-
-
-@dataclass
-class TrainConfig(CommandConfig):
-    """Everything a training run needs; ``config.json`` in the run directory is this.
-
-    Sections own their values: ``rollout`` (G, turns, token budget and its ``sampling``:
-    temperature, top-p/k, tokens per turn) is read by the sampler *and* the trainer, and
-    ``grpo`` holds the algorithm's hyper-parameters. A section may be given as a dict of
-    its fields (``grpo={"beta": 0.04}``); unknown keys are errors.
-    """
-
-    init_from: str | None = option(
-        None, "Checkpoint folder (e.g. from `agentenv sft`) to start from."
-    )
-    profile: str | None = option(
-        None,
-        "conservative | balanced | aggressive: a bundle of GRPO settings (LR, clip, KL, "
-        "entropy, G; see agentenv.run.profiles) under --config and flags, which still win.",
-    )
-    steps: int = option(20, "GRPO steps (one batch of B x G episodes each).")
-    batch_size: int = option(4, "Tasks per step (B).")
-    eval_every: int = option(0, "Evaluate every N steps (0: only before and after training).")
-    eval_tasks: int = option(50, "Test-split tasks per evaluation (0: no evaluation).")
-    save_every: int = option(10, "Checkpoint every N steps (and always at the end).")
-    keep_checkpoints: int = option(2, "Most recent checkpoints kept.")
-    log_episodes: int = option(8, "Episodes written to episodes/step_N.jsonl per step.")
-    output_dir: str | None = option(None, "Run directory (default runs/<env>-<time>).")
-    seed: int = option(0, "Seed of task sampling, generation and LoRA init.")
-    tensorboard: bool = option(True, "Write TensorBoard events.")
-    wandb_project: str | None = option(None, "Log to this W&B project (needs `pip install wandb`).")
-    rollout: RolloutConfig = option(
-        _training_rollout(), "How episodes are collected and sampled (section)."
-    )
-    grpo: GRPOConfig = option(GRPOConfig(), "GRPO hyper-parameters (section).")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("steps", "batch_size", "save_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0 or self.eval_tasks < 0 or self.log_episodes < 0:
-            raise InvalidOptionError("eval_every, eval_tasks and log_episodes must be >= 0")
-        profile_settings(self.profile)  # an unknown name fails here, naming the profiles
-        if self.rollout.group_size < 2:
-            raise InvalidOptionError(
-                f"group_size must be >= 2 for group-relative advantages, got "
-                f"{self.rollout.group_size}"
-            )
-        if self.rollout.sampling.temperature <= 0:
-            raise InvalidOptionError(
-                f"temperature must be > 0 for training (GRPO learns from sampled episodes), "
-                f"got {self.rollout.sampling.temperature}"
-            )
-
-    @classmethod
-    def resolve(
-        cls, file: str | Path | None = None, overrides: dict[str, Any] | None = None
-    ) -> TrainConfig:
-        """Defaults, then the ``profile`` (named in ``overrides`` or ``file``), then ``file``
-        (YAML/JSON, nested like ``config.json``), then ``overrides`` (a nested dict, e.g.
-        from flags), deep-merged; strict keys."""
-        overrides = overrides or {}
-        named = overrides.get(
-            "profile", config_lib.load_file(file).get("profile") if file else None
-        )
-        return config_lib.resolve(cls, file, overrides, base=profile_settings(named))
+from agentenv.lm.precision import resolve_dtype, training_dtype
+from agentenv.run.config import TrainConfig
+from agentenv.run.export import load_from_checkpoint
 
 
 def task_seeds(seed: int, step: int, n: int) -> list[int]:
@@ -189,14 +109,16 @@ def train(
     """
     from agentenv.env.registration import make
     from agentenv.lm import models
-    from agentenv.lm.generation import TransformersPolicy
+    from agentenv.lm.sampler import TransformersPolicy
     from agentenv.rollout.collect import collect
     from agentenv.rollout.episode import ChatFormat
-    from agentenv.run.evaluate import EvalConfig, evaluate, format_table
+    from agentenv.run.config import EvalConfig
+    from agentenv.run.evaluate import evaluate, format_table
     from agentenv.run.plots import plot_run
     from agentenv.run.tracking import RunLogger
     from algorithms.checkpoint import latest_checkpoint
-    from algorithms.grpo import GRPO, compute_advantages
+    from algorithms.grpo import GRPO
+    from algorithms.losses import compute_advantages
 
     config = config or TrainConfig()
     config = dataclasses.replace(
@@ -368,32 +290,3 @@ def _maybe_load(path: Path) -> Any:
     from agentenv.run.evaluate import EvalReport
 
     return EvalReport.load(path) if path.exists() else None
-
-
-def training_dtype(compute: torch.dtype, use_lora: bool) -> torch.dtype:
-    """The dtype to load weights in: a LoRA run's frozen base computes in ``compute``
-    (no per-step casts, half the memory in bf16); weights that are trained stay float32
-    and are autocast to ``compute``."""
-    return compute if use_lora else torch.float32
-
-
-def load_from_checkpoint(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
-    """Apply a checkpoint's weights to a freshly loaded base model.
-
-    A LoRA checkpoint (``folder/adapter``) returns a trainable ``PeftModel``; a full
-    checkpoint (``folder/model``) is loaded into ``model`` in place.
-    """
-    folder = Path(folder)
-    from peft import PeftModel
-
-    if (folder / "adapter").is_dir():
-        return PeftModel.from_pretrained(model, str(folder / "adapter"), is_trainable=True)
-    if (folder / "model").is_dir():
-        from algorithms.checkpoint import load_model_weights
-
-        load_model_weights(model, folder / "model")
-        return model
-    raise InvalidOptionError(
-        f"init_from={str(folder)!r} has neither adapter/ nor model/; pass a checkpoint folder "
-        "written by `agentenv sft` or `agentenv train` (e.g. RUN/checkpoints/step_000010)"
-    )

@@ -4,7 +4,7 @@ The expression is parsed with :func:`ast.parse` and the tree is walked by hand; 
 ever passed to ``eval``/``exec``. Only numbers, ``+ - * / // % **``, unary ``+``/``-``,
 parentheses and the functions ``abs``, ``round``, ``min``, ``max`` and ``sqrt`` are allowed.
 Every operation is guarded so that hostile input (``9**9**9**9``, huge strings, deep nesting)
-is refused in milliseconds with a short :class:`~agentenv.errors.CalculatorError`.
+is refused in milliseconds with a short :class:`~envs.calculator.errors.CalculatorError`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import operator
 from collections.abc import Callable
 
-from agentenv.errors import CalculatorError
+from envs.calculator.errors import CalculatorError
 
 _ALLOWED = "only numbers, + - * / // % ** and abs, round, min, max, sqrt"
 _MAX_EXPONENT = 1_000_000  # |b| above this in a ** b is refused outright

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from agentenv.lm.models import agentenv_home
+from agentenv.config import agentenv_home
 from envs.rag.bm25 import BM25Retriever
 from envs.rag.corpus import Chunk, content_hash
 from envs.rag.dense import (

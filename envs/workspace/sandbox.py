@@ -15,8 +15,9 @@ of the filesystem hidden, and the whole pid namespace dies with its first proces
 
 Every run ends with the process group (and, with a uid, every process of that uid)
 SIGKILLed: nothing started by a call outlives it. Output (stdout and stderr merged) is
-read incrementally; only its head and tail are kept. See ``README_SECTION.md`` for what
-each mode does and does not protect against.
+read incrementally; only its head and tail are kept. See ``docs/envs/workspace.md``
+("The sandbox, and what it does *not* protect") for what each mode does and does not
+protect against.
 """
 
 from __future__ import annotations

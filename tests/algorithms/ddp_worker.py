@@ -10,7 +10,8 @@ import torch
 from toy_episodes import TOY_REWARDS, make_groups
 
 from agentenv.lm.models import load_tokenizer, tiny_model
-from algorithms.grpo import GRPO, GRPOConfig
+from algorithms.config import GRPOConfig
+from algorithms.grpo import GRPO
 
 
 def main(out_path: str, loss_type: str) -> None:

@@ -14,8 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.models import tiny_model as build
+from algorithms.batching import MicroBatch
 from algorithms.checkpoint import MARKER, latest_checkpoint
-from algorithms.grpo import GRPO, GRPOConfig, MicroBatch
+from algorithms.config import GRPOConfig
+from algorithms.grpo import GRPO
 from algorithms.logprobs import token_logprobs
 
 # peft 0.21 reads a property transformers 5.23 deprecated; nothing for us to act on

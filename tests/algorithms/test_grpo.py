@@ -10,16 +10,11 @@ import torch
 from toy_episodes import Ep, make_groups
 
 from agentenv.errors import InvalidOptionError
-from algorithms.grpo import (
-    GRPO,
-    GRPOConfig,
-    MicroBatch,
-    compute_advantages,
-    kl_estimate,
-    pack_micro_batches,
-    policy_loss,
-)
+from algorithms.batching import MicroBatch, pack_micro_batches
+from algorithms.config import GRPOConfig
+from algorithms.grpo import GRPO
 from algorithms.logprobs import selective_log_softmax, token_logprobs
+from algorithms.losses import compute_advantages, kl_estimate, policy_loss
 
 LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 METRIC_KEYS = {

@@ -7,7 +7,8 @@ import torch
 from toy_episodes import Ep
 
 from agentenv.errors import InvalidOptionError
-from algorithms.grpo import GRPO, GRPOConfig
+from algorithms.config import GRPOConfig
+from algorithms.grpo import GRPO
 from algorithms.rewards import batch_moments, combine_rewards
 
 X = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])

@@ -3,7 +3,9 @@ import torch
 
 from agentenv.errors import InvalidOptionError
 from agentenv.rollout.episode import Episode
-from algorithms.sft import SFT, SFTConfig, masked_nll
+from algorithms.config import SFTConfig
+from algorithms.losses import masked_nll
+from algorithms.sft import SFT
 
 
 def test_masked_nll_by_hand():

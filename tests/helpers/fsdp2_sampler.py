@@ -13,8 +13,9 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import fully_shard
 
-from agentenv.lm.generation import SamplingConfig, TransformersPolicy
+from agentenv.lm.engine import SamplingConfig
 from agentenv.lm.models import load_tokenizer, tiny_model
+from agentenv.lm.sampler import TransformersPolicy
 
 
 def lora_b(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -25,9 +25,12 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
 from toy_episodes import TOY_REWARDS, make_groups
 
-from agentenv.lm.generation import SamplingConfig, TransformersPolicy, _whole
+from agentenv.lm import weights
+from agentenv.lm.engine import SamplingConfig
 from agentenv.lm.models import load_tokenizer, tiny_model
-from algorithms.grpo import GRPO, GRPOConfig
+from agentenv.lm.sampler import TransformersPolicy
+from algorithms.config import GRPOConfig
+from algorithms.grpo import GRPO
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 
@@ -60,7 +63,7 @@ def trainer(acc: Accelerator, tokenizer, kind: str, seed: int) -> GRPO:
 def whole(algo: GRPO) -> dict[str, torch.Tensor]:
     """The trained weights, gathered whole (a collective)."""
     params = algo.unwrapped_model.named_parameters()
-    return {name: _whole(p).clone() for name, p in params if p.requires_grad}
+    return {name: weights.whole(p).clone() for name, p in params if p.requires_grad}
 
 
 def main(out: str, mode: str, kind: str) -> None:

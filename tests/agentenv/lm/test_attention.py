@@ -76,8 +76,9 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(tiny_model, tokenizer, m
     """bf16 sampling with in-place KV appends (small spare room: several regrowths, rows
     dropped, a continued turn) gives the tokens and log-probs of transformers' cache."""
     import agentenv.lm.attention as attention
-    from agentenv.lm import generation
-    from agentenv.lm.generation import SamplingConfig, TransformersPolicy
+    from agentenv.lm import sampler
+    from agentenv.lm.engine import SamplingConfig
+    from agentenv.lm.sampler import TransformersPolicy
 
     monkeypatch.setattr(attention.AppendCacheLayer, "SPARE", 3)
     prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]
@@ -85,7 +86,7 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(tiny_model, tokenizer, m
 
     def run(use_append: bool):
         if not use_append:
-            monkeypatch.setattr(generation, "append_cache", lambda model: None)
+            monkeypatch.setattr(sampler, "append_cache", lambda model: None)
         policy = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16")
         first = policy.generate(prompts, sampling, seeds=[1, 2, 3])
         stop = first[0].token_ids[4]  # ends row 0 early the second time: a row is dropped
@@ -116,7 +117,8 @@ def test_append_cache_layer_grows_in_place_and_reports_valid_slots():
 
 def test_rows_of_different_lengths_without_a_shared_prefix_have_no_nans(tiny_model, tokenizer):
     """Left-padding queries see no key at all; they must not turn the cache into NaNs."""
-    from agentenv.lm.generation import SamplingConfig, TransformersPolicy
+    from agentenv.lm.engine import SamplingConfig
+    from agentenv.lm.sampler import TransformersPolicy
 
     prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]
     sampling = SamplingConfig(6, temperature=1.0, stop_strings=[])

@@ -4,8 +4,10 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 import agentenv
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.generation import SamplingConfig, TransformersPolicy
-from agentenv.rollout.collect import RolloutConfig, collect
+from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.sampler import TransformersPolicy
+from agentenv.rollout.collect import collect
+from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, collate
 
 

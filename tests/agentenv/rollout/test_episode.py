@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import agentenv
-from agentenv.lm.generation import SamplingConfig
-from agentenv.rollout.collect import RolloutConfig, ScriptedPolicy, collect
+from agentenv.lm.engine import SamplingConfig
+from agentenv.rollout.collect import ScriptedPolicy, collect
+from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode, EpisodeBuilder, collate
 
 # A Qwen2.5-style template with tool support: tool results are grouped into a user turn

@@ -6,8 +6,8 @@ import agentenv
 from agentenv.errors import InvalidOptionError
 from agentenv.rollout.collect import ScriptedPolicy
 from agentenv.rollout.episode import ChatFormat, Episode
+from agentenv.run.config import EvalConfig
 from agentenv.run.evaluate import (
-    EvalConfig,
     EvalReport,
     compare,
     evaluate,

@@ -13,7 +13,8 @@ from agentenv.cli import _load_policy, main
 from agentenv.errors import InvalidOptionError
 from agentenv.lm import models
 from agentenv.run.export import base_model_for, checkpoint_base, export_checkpoint
-from algorithms.sft import SFT, SFTConfig
+from algorithms.config import SFTConfig
+from algorithms.sft import SFT
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ import agentenv
 from agentenv import config as config_lib
 from agentenv.cli import main
 from agentenv.errors import InvalidOptionError
+from agentenv.run.config import TrainConfig
 from agentenv.run.tracking import read_metrics
-from agentenv.run.train import TrainConfig, task_seeds, train
+from agentenv.run.train import task_seeds, train
 from algorithms.checkpoint import latest_checkpoint
 
 ENV = {"source": "word_problems", "prompt_style": "compact"}
@@ -257,8 +258,7 @@ def test_a_misspelt_flag_or_key_fails_before_any_model_loads(tmp_path, monkeypat
 
 def test_one_owner_per_value_across_every_command():
     """Flags are flat: a leaf name owned by two fields would fail to build the parser."""
-    from agentenv.run.evaluate import EvalRunConfig
-    from agentenv.run.sft import SFTRunConfig
+    from agentenv.run.config import EvalRunConfig, SFTRunConfig
 
     for cfg in (TrainConfig(), SFTRunConfig(), EvalRunConfig()):
         config_lib.add_flags(argparse.ArgumentParser(), cfg)

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from agentenv.errors import CalculatorError, ToolError
+from agentenv.errors import ToolError
+from envs.calculator.errors import CalculatorError
 from envs.calculator.safe_eval import evaluate, format_number
 
 

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm import generation
-from agentenv.lm.generation import SamplingConfig, TransformersPolicy, resolve_dtype
+from agentenv.lm import precision, weights
+from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.precision import resolve_dtype
+from agentenv.lm.sampler import TransformersPolicy
 from algorithms.logprobs import token_logprobs
 
 # float32 sampler vs the trainer's forward, mean |log-prob difference|: the sampler's
@@ -36,9 +38,9 @@ def recompute(model, prompt, gen, temperature=1.0):
 
 
 def test_resolve_dtype(monkeypatch):
-    monkeypatch.setattr(generation, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(generation, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype(torch.bfloat16) == torch.bfloat16
@@ -181,7 +183,7 @@ def test_lora_copy_is_unmerged_shares_the_base_and_resyncs_after_a_step(tiny_mod
     policy = TransformersPolicy(peft_model, tokenizer, dtype="float32")
     layer = policy.model.model.layers[0].self_attn.q_proj
     trained = peft_model.get_base_model().model.layers[0].self_attn.q_proj
-    assert isinstance(layer, generation._LoRALinear) and not hasattr(policy.model, "get_base_model")
+    assert isinstance(layer, weights._LoRALinear) and not hasattr(policy.model, "get_base_model")
     assert layer.base_layer.weight is trained.base_layer.weight  # frozen base: shared, no copy
     scaling = trained.scaling["default"]
     params = [p for p in peft_model.parameters() if p.requires_grad]
@@ -254,14 +256,14 @@ def test_bf16_lora_sampler_keeps_an_update_that_merging_would_round_away(tiny_mo
     assert (sampled - without).abs().max() > 1e-3
 
 
-@pytest.mark.skipif(not generation.packs_linears("cpu", torch.float32), reason="no oneDNN")
+@pytest.mark.skipif(not weights.packs_linears("cpu", torch.float32), reason="no oneDNN")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_gives_the_linear_layers_outputs(dtype):
     """bfloat16: bit-identical to ``F.linear`` (the same oneDNN kernel, the weight laid
     out once instead of per call); float32: oneDNN instead of MKL, equal to rounding."""
     gen = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(96, 40, dtype=dtype)
-    packed = generation._PackedLinear(linear)
+    packed = weights._PackedLinear(linear)
     assert packed.weight is linear.weight and packed.bias is linear.bias  # shared, not copied
     inputs = [  # one row, decode rows (B, 1, H), a prefill, a strided last-position view
         torch.randn(1, 96, generator=gen),
@@ -285,7 +287,7 @@ def test_packed_linear_gives_the_linear_layers_outputs(dtype):
         torch.testing.assert_close(packed(x.to(dtype)), linear(x.to(dtype)), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not generation.packs_linears("cpu", torch.bfloat16), reason="no oneDNN")
+@pytest.mark.skipif(not weights.packs_linears("cpu", torch.bfloat16), reason="no oneDNN")
 def test_sampling_copy_packs_every_linear_and_shares_the_frozen_base(tiny_model, tokenizer):
     peft_model = _bf16_lora(tiny_model, 1e-3)
     policy = TransformersPolicy(peft_model, tokenizer, dtype="bfloat16")
@@ -293,14 +295,14 @@ def test_sampling_copy_packs_every_linear_and_shares_the_frozen_base(tiny_model,
     assert linears == []  # every linear layer, the LM head and LoRA base layers included
     q = policy.model.model.layers[0].self_attn.q_proj
     trained = peft_model.get_base_model().model.layers[0].self_attn.q_proj
-    assert isinstance(q, generation._LoRALinear)
-    assert isinstance(q.base_layer, generation._PackedLinear)
+    assert isinstance(q, weights._LoRALinear)
+    assert isinstance(q.base_layer, weights._PackedLinear)
     assert q.base_layer.weight is trained.base_layer.weight  # frozen base: shared, not copied
     head = policy.model.get_output_embeddings()
-    assert isinstance(head, generation._PackedLinear)
+    assert isinstance(head, weights._PackedLinear)
     assert head.weight is policy.model.get_input_embeddings().weight  # still tied
     trained_modules = peft_model.modules()
-    assert not any(isinstance(m, generation._PackedLinear) for m in trained_modules)
+    assert not any(isinstance(m, weights._PackedLinear) for m in trained_modules)
 
 
 @pytest.mark.parametrize(("dtype", "bound"), [("float32", FP32_GAP), ("bfloat16", 0.05)])
@@ -345,7 +347,7 @@ def test_bf16_sampler_logprobs_stay_close_to_the_float32_trainer(tiny_model, tok
 
 def test_sampler_draws_from_the_warped_distribution():
     """Frequencies follow softmax(logits / T) after top-k; cut tokens are never drawn."""
-    from agentenv.lm.generation import _sample, _warpers
+    from agentenv.lm.sampler import _sample, _warpers
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0, -9.0]]).repeat(20000, 1)
     sampling = SamplingConfig(temperature=2.0, top_k=3)

@@ -1,0 +1,278 @@
+"""What the sampler samples from: a plain copy of the trained policy in the sampling dtype.
+
+Rollouts are on-policy only if the sampler draws from the weights being trained
+(docs/design.md §4). :func:`sampling_copy` builds the copy and :func:`sync_weights` refreshes
+it after an optimizer step:
+
+* **LoRA stays unmerged** (:class:`_LoRALinear`): folded into bfloat16 weights, most of a
+  small update rounds away (72% of an SFT adapter's update, by norm, on SmolLM2) and the
+  sampler would draw from another policy than the one trained. Frozen weights already in
+  the sampling dtype (a LoRA run's base) are shared with the trained model, not copied.
+* **FSDP2-sharded parameters** (``fully_shard``, accelerate's ``fsdp_version: 2``) are
+  gathered whole into the copy, so every process samples from the full policy; FSDP1 and
+  DeepSpeed ZeRO-3 are refused (:func:`check_sharding`).
+* **Linear layers run from weights pre-packed for oneDNN** on a CPU (:class:`_PackedLinear`):
+  a plain CPU linear layer lays its weight out again on every call, which in a decode step
+  of a few rows costs about as much as the product. Bit-identical outputs in bfloat16;
+  float32 equal to rounding. The packed copies cost one more copy of the linear weights
+  (0.27 GB for SmolLM2 in bfloat16) and are packed again when a sync changes the weights
+  (full fine-tuning; a LoRA run's base never changes).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from agentenv.errors import InvalidOptionError
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``model``'s parameters (they are ``DTensor`` s)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def check_sharding(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``model``'s parameters (they are ``DTensor`` s); raise for the
+    shardings the sampler cannot gather (FSDP1's flat parameters, DeepSpeed ZeRO-3)."""
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        raise InvalidOptionError(
+            "FSDP1 (FullyShardedDataParallel) flattens the parameters, which the sampler "
+            "cannot gather; use FSDP2 (accelerate config: fsdp_version: 2)"
+        )
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        raise InvalidOptionError(
+            "DeepSpeed ZeRO-3 partitions the parameters, which the sampler cannot gather "
+            "yet; use ZeRO-2 (zero_stage: 2) or FSDP2 (fsdp_version: 2)"
+        )
+    return is_sharded(model)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` gathered whole if FSDP2 shards it (a collective), else ``t`` itself."""
+    full = getattr(t, "full_tensor", None)
+    return full().detach() if full is not None else t
+
+
+def _is_lora_layer(name: str, module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a peft LoRA layer the sampler can compute unmerged."""
+    if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
+        return False
+    adapters = [a for a in module.active_adapters if a in module.lora_A]
+    if any(module.use_dora.get(a, False) for a in adapters) or getattr(
+        module, "lora_embedding_A", None
+    ):
+        raise InvalidOptionError(
+            f"{name} is a DoRA or embedding LoRA layer, which the sampler does not "
+            "implement; train plain LoRA on linear layers (use_dora=False)"
+        )
+    return bool(adapters)
+
+
+def _unmerge_lora(
+    model: torch.nn.Module,
+    base: torch.nn.Module,
+    frozen: Callable[[torch.nn.Module], torch.nn.Module],
+) -> None:
+    """Put a :class:`_LoRALinear` in ``model`` wherever ``base`` (the trained peft base
+    model) has a LoRA layer; ``frozen`` picks the frozen linear layer out of ``model``'s
+    module at that path."""
+    for name, layer in base.named_modules():
+        if _is_lora_layer(name, layer):
+            parent, _, child = name.rpartition(".")
+            linear = frozen(model.get_submodule(name))
+            setattr(model.get_submodule(parent), child, _LoRALinear(linear, layer))
+
+
+def trainable_version(params: Sequence[torch.Tensor]) -> int:
+    """A number that changes whenever one of ``params`` is modified in place."""
+    return sum(getattr(p, "_version", 0) for p in params)
+
+
+def sampling_copy(
+    trained: torch.nn.Module, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
+    """The model sampled from: ``trained`` as a plain model in ``dtype`` (see the module
+    docstring), or ``trained`` itself when it already is one and packing does not pay."""
+    sharded = check_sharding(trained)
+    pack = packs_linears(device, dtype)
+    param = next(trained.parameters())
+    if not (sharded or is_peft(trained) or param.dtype != dtype or pack):
+        return trained  # already what we sample from: share it
+    if sharded:
+        model = _gathered_copy(trained, dtype, device)
+    else:
+        base = trained.get_base_model() if is_peft(trained) else trained
+        tensors = [*base.parameters(), *base.buffers()]
+        # already in the sampling dtype: shared, not copied (trained ones too, e.g. a
+        # float32 model sampled in float32: sync then has nothing to copy)
+        shared = {id(t): t for t in tensors if t.dtype == dtype}
+        # adapters: not copied either, their layers are replaced by _LoRALinear below
+        shared |= {id(p): p for n, p in base.named_parameters() if ".lora_" in n}
+        model = copy.deepcopy(base, memo=shared)
+        if is_peft(trained):
+            _unmerge_lora(model, base, lambda copied: copied.base_layer)
+        model = model.to(dtype).eval()
+        for p in model.parameters():  # the copy's own; shared ones keep their flag
+            if id(p) not in shared:
+                p.requires_grad_(False)
+    if pack:
+        _pack_linears(model)
+    return model
+
+
+@torch.no_grad()
+def _gathered_copy(
+    trained: torch.nn.Module, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
+    """The sampling copy of a model whose parameters FSDP2 shards: a fresh model of
+    the same config holding every parameter gathered whole (a collective: every
+    process builds its copy at the same time), LoRA layers unmerged as above."""
+    from transformers import AutoModelForCausalLM
+
+    base = trained.get_base_model() if is_peft(trained) else trained
+    with torch.device(device):  # initialised where it runs, then overwritten
+        model = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
+    state = {
+        name.replace(".base_layer.", "."): whole(p)
+        for name, p in base.named_parameters()
+        if ".lora_" not in name
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {n for n in missing if n in (getattr(model, "_tied_weights_keys", None) or ())}
+    if unexpected or set(missing) - tied:
+        raise InvalidOptionError(
+            f"the sampler cannot rebuild this sharded model as a plain "
+            f"{type(model).__name__}: missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}; train it unsharded or with LoRA"
+        )
+    model.tie_weights()
+    _unmerge_lora(model, base, lambda plain: plain)  # a plain rebuild: no base_layer
+    return model.eval().requires_grad_(False)  # packed by sampling_copy where that pays
+
+
+@torch.no_grad()
+def sync_weights(model: torch.nn.Module, trained: torch.nn.Module) -> None:
+    """Copy ``trained``'s current weights into its sampling copy ``model`` (a no-op when
+    the copy is ``trained`` itself). With FSDP2-sharded weights this is a collective."""
+    if model is trained:
+        return
+    trained = trained.get_base_model() if is_peft(trained) else trained
+    target = dict(model.named_parameters())
+    for name, module in model.named_modules():
+        if isinstance(module, _LoRALinear):
+            module.load(trained.get_submodule(name))
+    changed = False
+    for name, p in trained.named_parameters():
+        if p.requires_grad and name in target:  # full fine-tuning, modules_to_save
+            if target[name] is not p:  # (a shared tensor is up to date)
+                target[name].copy_(whole(p))
+            changed = True
+    if changed:  # packed weights are copies: pack the new values
+        for module in model.modules():
+            if isinstance(module, _PackedLinear):
+                module.pack()
+
+
+class _LoRALinear(torch.nn.Module):
+    """A frozen layer plus its LoRA updates, unmerged, for sampling.
+
+    ``y = base(x) + x A^T B^T`` with ``A`` the active adapters' ``lora_A`` weights stacked
+    ``(r, in)`` and ``B`` their ``scaling * lora_B`` side by side ``(out, r)``: peft's
+    LoRA layer in eval mode (dropout off). The low-rank path runs in float32 whatever the
+    base's dtype: its matmuls are tiny, and on a CPU float32 ones cost a third of bfloat16
+    ones. (The learner's bf16 autocast runs them in bfloat16; the two differ by that
+    rounding of the update only.)
+    :meth:`load` copies the trained layer's current adapter weights.
+    """
+
+    def __init__(self, base_layer: torch.nn.Module, lora_layer: torch.nn.Module):
+        super().__init__()
+        self.base_layer = base_layer
+        self.names = [a for a in lora_layer.active_adapters if a in lora_layer.lora_A]
+        self.load(lora_layer)
+
+    @torch.no_grad()
+    def load(self, lora_layer: torch.nn.Module) -> None:
+        """Copy the adapter weights of ``lora_layer`` (the trained peft layer)."""
+        pairs = [
+            (lora_layer.lora_A[a], lora_layer.lora_B[a], lora_layer.scaling[a]) for a in self.names
+        ]
+        self.a = torch.cat([whole(lora_a.weight).float() for lora_a, _, _ in pairs])
+        self.b = torch.cat([whole(lora_b.weight).float() * s for _, lora_b, s in pairs], dim=1)
+        biases = [whole(b.bias).float() * s for _, b, s in pairs if b.bias is not None]
+        self.bias = torch.stack(biases).sum(0) if biases else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = F.linear(F.linear(x.float(), self.a), self.b, self.bias)
+        return self.base_layer(x).add_(update)
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    """Whether this torch has oneDNN's pre-packed linear ops (CPU builds with mkldnn)."""
+    try:
+        return torch.backends.mkldnn.is_available() and all(
+            hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def packs_linears(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether the sampler runs its linear layers from pre-packed weights
+    (:class:`_PackedLinear`): on a CPU, in bfloat16 or float32, with oneDNN present."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype in (torch.bfloat16, torch.float32)
+        and _onednn_linear()
+    )
+
+
+class _PackedLinear(torch.nn.Module):
+    """A frozen ``nn.Linear`` whose weight is pre-packed once for oneDNN (CPU sampling).
+
+    A plain CPU linear layer re-lays out its weight for oneDNN's kernel on every call;
+    in a decode step (a few rows) that costs as much as the product itself: 41 -> 30 us
+    for SmolLM2's 576 x 576 at 8 rows, 4.1 -> 2.1 ms for its LM head, in bfloat16 on a
+    2-core CPU. Packing once makes the same kernel skip it: in bfloat16 the outputs are
+    bit-identical to ``F.linear`` (the same kernel and accumulation order); in float32
+    oneDNN replaces MKL's sgemm, equal to float rounding. ``weight`` and ``bias`` stay
+    the layer's own parameters (shared, so syncs copy into them); the packed copy is
+    made again by :meth:`pack`.
+    """
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.pack()
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Pack the current ``weight`` (after it changed)."""
+        # the batch-size hint does not change the layout's speed here (1 to 128 rows)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _pack_linears(model: torch.nn.Module) -> None:
+    """Replace every plain ``nn.Linear`` of ``model`` (the sampling copy) with a
+    :class:`_PackedLinear` of the same weights (a LoRA layer's base layer included)."""
+    for name, module in list(model.named_modules()):
+        if type(module) is torch.nn.Linear:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, _PackedLinear(module))

@@ -1,0 +1,26 @@
+"""How episodes are collected (torch-free: the command line builds flags from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentenv.config import option
+from agentenv.errors import InvalidOptionError
+from agentenv.lm.engine import SamplingConfig
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are collected."""
+
+    group_size: int = option(8, "Episodes per task (G); all reset with the task's seed.")
+    max_turns: int = option(5, "Policy turns per episode (the env's own limit may be lower).")
+    max_episode_tokens: int = option(2048, "Token budget per episode (prompt + all turns).")
+    sampling: SamplingConfig = option(SamplingConfig(), "Per-turn sampling settings (section).")
+    env_workers: int = option(8, "Threads stepping environments concurrently.")
+    show_progress: bool = option(True, "Show a progress bar over the batch.")
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "max_turns", "max_episode_tokens", "env_workers"):
+            if getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,228 @@
+"""The commands' settings, torch-free: ``agentenv train|sft|eval`` build their flags from
+these without loading torch, and reject bad values before any model loads.
+
+Each run config is one tree of dataclasses: :class:`TrainConfig` holds ``rollout`` (which
+holds ``sampling``) and ``grpo``; :class:`SFTRunConfig` holds ``sft``; :class:`EvalRunConfig`
+holds ``eval``. Each value is a field of exactly one of them (docs/design.md §5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agentenv import config as config_lib
+from agentenv.config import option
+from agentenv.errors import InvalidOptionError
+from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.models import DEFAULT_MODEL
+from agentenv.lm.precision import check_dtype
+from agentenv.rollout.config import RolloutConfig
+from agentenv.run.profiles import profile_settings
+from algorithms.config import GRPOConfig, SFTConfig
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class CommandConfig:
+    """What every command's run config has (``TrainConfig``, ``SFTRunConfig`` and
+    ``EvalRunConfig`` extend it): the env, the model, and where and in which dtype it
+    computes. Subclasses' ``__post_init__`` call this one: it turns sections given as
+    dicts into their dataclass and rejects a bad dtype before any model loads."""
+
+    env_id: str = option("Calculator-v0", "Registered environment id (or module:Name-v0).")
+    env_kwargs: dict[str, Any] = option({}, "Constructor arguments of the env (both splits).")
+    model: str = option(DEFAULT_MODEL, "Model alias, Hugging Face id or local path.")
+    device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
+    dtype: str = option(
+        "auto",
+        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and on CPUs with "
+        "native bf16, else float32), float32, bfloat16, float16 (GPU only). Trained weights "
+        "stay float32; a LoRA run keeps its frozen base in this dtype.",
+    )
+
+    def __post_init__(self) -> None:
+        config_lib.coerce_sections(self)
+        check_dtype(self.dtype, self.device)
+
+
+def resolve(
+    cls: type[T],
+    file: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
+) -> T:
+    """``cls`` from its defaults, then ``base`` (e.g. a profile), then ``file`` (if any),
+    then ``overrides``, deep-merged.
+
+    The defaults are those of ``cls()``, so a section keeps the defaults its owner gives
+    it (a training run's rollout, say) where the file sets only some of its keys.
+    """
+    data = config_lib.merge(config_lib.to_dict(cls()), base or {})
+    data = config_lib.merge(data, config_lib.load_file(file)) if file else data
+    where = str(file) if file else "the command line"
+    return config_lib.from_dict(cls, config_lib.merge(data, overrides or {}), where)
+
+
+def _training_rollout() -> RolloutConfig:
+    return RolloutConfig(
+        group_size=8,
+        max_turns=3,
+        max_episode_tokens=1024,
+        sampling=SamplingConfig(max_new_tokens=64),
+        show_progress=False,
+    )
+
+
+@dataclass
+class TrainConfig(CommandConfig):
+    """Everything a training run needs; ``config.json`` in the run directory is this.
+
+    Sections own their values: ``rollout`` (G, turns, token budget and its ``sampling``:
+    temperature, top-p/k, tokens per turn) is read by the sampler *and* the trainer, and
+    ``grpo`` holds the algorithm's hyper-parameters. A section may be given as a dict of
+    its fields (``grpo={"beta": 0.04}``); unknown keys are errors.
+    """
+
+    init_from: str | None = option(
+        None, "Checkpoint folder (e.g. from `agentenv sft`) to start from."
+    )
+    profile: str | None = option(
+        None,
+        "conservative | balanced | aggressive: a bundle of GRPO settings (LR, clip, KL, "
+        "entropy, G; see agentenv.run.profiles) under --config and flags, which still win.",
+    )
+    steps: int = option(20, "GRPO steps (one batch of B x G episodes each).")
+    batch_size: int = option(4, "Tasks per step (B).")
+    eval_every: int = option(0, "Evaluate every N steps (0: only before and after training).")
+    eval_tasks: int = option(50, "Test-split tasks per evaluation (0: no evaluation).")
+    save_every: int = option(10, "Checkpoint every N steps (and always at the end).")
+    keep_checkpoints: int = option(2, "Most recent checkpoints kept.")
+    log_episodes: int = option(8, "Episodes written to episodes/step_N.jsonl per step.")
+    output_dir: str | None = option(None, "Run directory (default runs/<env>-<time>).")
+    seed: int = option(0, "Seed of task sampling, generation and LoRA init.")
+    tensorboard: bool = option(True, "Write TensorBoard events.")
+    wandb_project: str | None = option(None, "Log to this W&B project (needs `pip install wandb`).")
+    rollout: RolloutConfig = option(
+        _training_rollout(), "How episodes are collected and sampled (section)."
+    )
+    grpo: GRPOConfig = option(GRPOConfig(), "GRPO hyper-parameters (section).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("steps", "batch_size", "save_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.eval_tasks < 0 or self.log_episodes < 0:
+            raise InvalidOptionError("eval_every, eval_tasks and log_episodes must be >= 0")
+        profile_settings(self.profile)  # an unknown name fails here, naming the profiles
+        if self.rollout.group_size < 2:
+            raise InvalidOptionError(
+                f"group_size must be >= 2 for group-relative advantages, got "
+                f"{self.rollout.group_size}"
+            )
+        if self.rollout.sampling.temperature <= 0:
+            raise InvalidOptionError(
+                f"temperature must be > 0 for training (GRPO learns from sampled episodes), "
+                f"got {self.rollout.sampling.temperature}"
+            )
+
+    @classmethod
+    def resolve(
+        cls, file: str | Path | None = None, overrides: dict[str, Any] | None = None
+    ) -> TrainConfig:
+        """Defaults, then the ``profile`` (named in ``overrides`` or ``file``), then ``file``
+        (YAML/JSON, nested like ``config.json``), then ``overrides`` (a nested dict, e.g.
+        from flags), deep-merged; strict keys."""
+        overrides = overrides or {}
+        named = overrides.get(
+            "profile", config_lib.load_file(file).get("profile") if file else None
+        )
+        return resolve(cls, file, overrides, base=profile_settings(named))
+
+
+@dataclass
+class SFTRunConfig(CommandConfig):
+    """Settings of an ``agentenv sft`` run; ``sft`` is the trainer's section (a dict of its
+    fields works too, e.g. ``sft={"epochs": 3}``)."""
+
+    num_demos: int = option(256, "Train-split tasks demonstrated.")
+    output_dir: str | None = option(None, "Run directory (default runs/sft-<env>-<time>).")
+    seed: int = option(0, "Seed of task choice, LoRA init and episode shuffling.")
+    max_episode_tokens: int = option(1024, "Token cap per demonstration.")
+    sft: SFTConfig = option(SFTConfig(), "SFT hyper-parameters (section).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_demos < 1:
+            raise InvalidOptionError(f"num_demos must be >= 1, got {self.num_demos}")
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate."""
+
+    split: str = option("test", "Split to evaluate: test or train.")
+    num_tasks: int | None = option(200, "The split's first N tasks (none: all of them).")
+    samples: int = option(1, "Episodes per task (K); pass@k is reported for k = 1, 2, 4 .. K.")
+    temperature: float = option(0.0, "Sampling temperature; 0 = greedy (the default for K=1).")
+    max_turns: int = option(5, "Policy turns per episode.")
+    max_new_tokens: int = option(128, "Tokens per policy turn.")
+    max_episode_tokens: int = option(2048, "Token budget per episode.")
+    tasks_per_batch: int = option(16, "Tasks whose episodes are generated together.")
+    seed: int = option(0, "Base reset seed (task i uses seed + i).")
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise InvalidOptionError(f"samples must be >= 1, got {self.samples}")
+        if self.num_tasks is not None and self.num_tasks < 1:
+            raise InvalidOptionError(f"num_tasks must be >= 1 or None, got {self.num_tasks}")
+        if self.split not in ("train", "test"):
+            raise InvalidOptionError(f"split must be 'train' or 'test', got {self.split!r}")
+        if self.samples > 1 and self.temperature == 0:
+            raise InvalidOptionError(
+                "samples > 1 with temperature 0 gives K identical greedy episodes; "
+                "set temperature > 0 (e.g. 1.0)"
+            )
+
+
+@dataclass
+class EvalRunConfig(CommandConfig):
+    """Settings of an ``agentenv eval`` run; ``eval`` is the evaluation's section."""
+
+    adapter: str | None = option(None, "Checkpoint folder to apply (adapter/ or model/).")
+    label: str | None = option(None, "Name of the model in the report (default: model+adapter).")
+    judge: str | None = option(
+        None,
+        "Also grade final answers with an LLM judge (metric judge_score, 0..1): 'local' (the "
+        "bundled SmolLM2: offline, weak) or an OpenAI-compatible base URL "
+        "(http://HOST:PORT/v1; --judge-model names its model).",
+    )
+    judge_model: str | None = option(None, "The model name an OpenAI-compatible judge expects.")
+    output: str | None = option(None, "Write the report as JSON to this path.")
+    eval: EvalConfig = option(
+        EvalConfig(max_turns=3, max_new_tokens=96), "What to evaluate (section)."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.judge is not None and self.judge != "local":
+            if not self.judge.startswith(("http://", "https://")) or not self.judge_model:
+                raise InvalidOptionError(
+                    f"judge must be 'local' or an http(s) base URL with judge_model set, got "
+                    f"judge={self.judge!r}, judge_model={self.judge_model!r}"
+                )
+
+    def make_judge(self) -> Any:
+        """The :class:`~agentenv.run.judge.LLMJudge` this run asked for, or ``None``."""
+        from agentenv.run.judge import LLMJudge, OpenAIJudge, TransformersJudge
+
+        if self.judge is None:
+            return None
+        if self.judge == "local":
+            return LLMJudge(TransformersJudge.default())
+        assert self.judge_model is not None
+        return LLMJudge(OpenAIJudge(self.judge, self.judge_model))

@@ -1,0 +1,220 @@
+"""The algorithms' settings, torch-free: the command line builds its flags from these
+without loading torch.
+
+:class:`TrainerConfig` holds what every trainer has (optimisation, LoRA); :class:`GRPOConfig`
+and :class:`SFTConfig` extend it. Each validates across its fields on construction, with
+messages that name the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentenv.config import option
+from agentenv.errors import InvalidOptionError
+
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
+ADVANTAGE_NORMS = ("mean_std", "mean_only")
+ADVANTAGE_BASELINES = ("group_mean", "group_median", "global_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_PLACEMENTS = ("loss", "reward")
+REFERENCES = ("initial", "base")
+REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
+REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
+
+
+def check_schedule(lr_scheduler: str, warmup_steps: int, total_steps: int | None) -> None:
+    """A decaying LR needs the run's length: raise naming the fix if it is missing."""
+    if total_steps is not None and total_steps < max(1, warmup_steps):
+        raise InvalidOptionError(
+            f"total_steps must be >= max(1, warmup_steps={warmup_steps}), got {total_steps}"
+        )
+    if lr_scheduler != "constant" and total_steps is None:
+        raise InvalidOptionError(
+            f"lr_scheduler={lr_scheduler!r} decays over the run's steps, got total_steps=None; "
+            "pass total_steps=<optimizer steps> to the trainer or use lr_scheduler='constant'"
+        )
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation and LoRA settings every trainer has (GRPOConfig and SFTConfig extend it)."""
+
+    learning_rate: float | None = option(None, "Peak AdamW LR (each algorithm sets a default).")
+    micro_batch_tokens: int = option(1024, "Tokens per forward/backward (sequences x length).")
+    max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    warmup_steps: int = option(0, "Linear LR warmup, in optimizer steps.")
+    lr_scheduler: str = option(
+        "constant", "constant | linear | cosine (to 0 at the trainer's total_steps)."
+    )
+    use_lora: bool = option(True, "Train LoRA adapters (peft); False: full fine-tuning.")
+    lora_r: int = option(16, "LoRA rank.")
+    lora_alpha: int = option(32, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = option(LORA_TARGETS, "Module names that get adapters.")
+    lora_layers: int | None = option(
+        None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
+    )
+    gradient_checkpointing: bool = option(False, "Recompute activations: less memory, slower.")
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise InvalidOptionError(
+                f"lr_scheduler must be one of {LR_SCHEDULERS}, got {self.lr_scheduler!r}"
+            )
+        checks = [
+            (self.learning_rate is None or self.learning_rate > 0, "learning_rate", "> 0"),
+            (self.micro_batch_tokens >= 1, "micro_batch_tokens", ">= 1"),
+            (self.max_grad_norm > 0, "max_grad_norm", "> 0"),
+            (self.weight_decay >= 0, "weight_decay", ">= 0"),
+            (self.warmup_steps >= 0, "warmup_steps", ">= 0"),
+            (self.lora_r >= 1, "lora_r", ">= 1"),
+            (0 <= self.lora_dropout < 1, "lora_dropout", "in [0, 1)"),
+            (bool(self.lora_target_modules), "lora_target_modules", "naming >= 1 module"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise InvalidOptionError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class GRPOConfig(TrainerConfig):
+    """Hyper-parameters of :class:`GRPO` (with :class:`~algorithms.trainer.TrainerConfig`'s
+    optimisation and LoRA settings); validated across fields on construction."""
+
+    learning_rate: float | None = option(
+        None, "Peak AdamW LR. None: 5e-5 with LoRA (adapters want a larger LR), 1e-5 full FT."
+    )
+    micro_batch_tokens: int = option(
+        768,
+        "Tokens per forward/backward: sequences x padded length, a group's shared prompt "
+        "counted once. On a CPU 768-1024 is as fast as any and keeps a step near 3 GB "
+        "(larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
+    )
+    beta: float = option(0.0, "KL coefficient to the reference; 0: no reference at all.")
+    kl_estimator: str = option(
+        "k3",
+        "k1: log(pi/ref); k2: log(pi/ref)^2 / 2; k3: ref/pi - log(ref/pi) - 1 (unbiased, >= 0; "
+        "Schulman's estimators, per policy token).",
+    )
+    reference: str = option(
+        "initial",
+        "The KL reference (beta > 0). initial: the policy as training starts; a warm-started "
+        "adapter (e.g. --init-from an SFT run) gets a frozen copy of itself as a second "
+        "adapter on the same base. base: the adapter-disabled base model, even after a "
+        "warm start.",
+    )
+    kl_placement: str = option(
+        "loss",
+        "loss: beta * KL per token in the loss (GRPO's); reward: the sequence reward minus "
+        "beta * its summed KL before advantages (verl's use_kl_in_reward; one extra "
+        "no-grad forward of policy and reference per step).",
+    )
+    epsilon_low: float = option(0.2, "Ratio clip below, 1 - epsilon_low (gspo: 3e-4).")
+    epsilon_high: float = option(
+        0.2, "Ratio clip above, 1 + epsilon_high. DAPO clip-higher: 0.28; gspo: 4e-4."
+    )
+    loss_type: str = option(
+        "dapo",
+        "grpo | dr_grpo | dapo | gspo | cispo. dapo (TRL's default) normalises per token: every "
+        "policy token weighs the same, so long multi-turn episodes are not down-weighted. "
+        "cispo (MiniMax-M1): REINFORCE on every token weighted by its importance ratio "
+        "clipped to [1 - epsilon_low, 1 + epsilon_high] with no gradient through the weight "
+        "(no token is dropped; normalised per token like dapo).",
+    )
+    advantage_norm: str = option(
+        "mean_std",
+        "mean_std: (r - baseline) / (std + eps); mean_only: r - baseline (Dr. GRPO's). The std "
+        "is the group's, or the batch's with advantage_baseline=global_mean.",
+    )
+    advantage_baseline: str = option(
+        "group_mean",
+        "group_mean (GRPO) | group_median (robust to an outlier reward) | global_mean (the "
+        "whole batch's mean and std, over processes: all-correct groups still get a signal).",
+    )
+    reward_clip: float | None = option(
+        None, "Clip rewards to [-reward_clip, reward_clip] before advantages; None: no clip."
+    )
+    reward_combination: str = option(
+        "weighted",
+        "How an env's named reward components (info['reward_components'], e.g. RAG's answer "
+        "/ retrieval / format) become the reward: weighted (the env's own weighted sum) | "
+        "uniform (their mean) | std (each divided by its batch std, summed) | pca (projection "
+        "on the batch's first principal component, sign-aligned with the sum) | l2 (norm).",
+    )
+    entropy_coef: float = option(
+        0.0,
+        "Entropy bonus: the loss minus entropy_coef x the policy tokens' entropy, aggregated "
+        "like the loss (computed from the same logits chunks; no second forward).",
+    )
+    num_iterations: int = option(1, "Optimizer steps per batch (mu); > 1 reuses it, clipped.")
+    max_completion_length: int | None = option(
+        None, "dr_grpo's per-sequence denominator; None: the batch's max policy tokens."
+    )
+
+    def __post_init__(self) -> None:
+        if self.learning_rate is None:
+            self.learning_rate = 5e-5 if self.use_lora else 1e-5
+        super().__post_init__()
+        choices = {
+            "loss_type": LOSS_TYPES,
+            "advantage_norm": ADVANTAGE_NORMS,
+            "advantage_baseline": ADVANTAGE_BASELINES,
+            "kl_estimator": KL_ESTIMATORS,
+            "kl_placement": KL_PLACEMENTS,
+            "reference": REFERENCES,
+            "reward_combination": REWARD_COMBINATIONS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise InvalidOptionError(
+                    f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
+        checks = [
+            (self.beta >= 0, "beta", "must be >= 0 (0 disables the KL term)"),
+            (0 <= self.epsilon_low < 1, "epsilon_low", "must be in [0, 1)"),
+            (self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
+            (self.num_iterations >= 1, "num_iterations", "must be >= 1"),
+            (self.entropy_coef >= 0, "entropy_coef", "must be >= 0 (0 disables the bonus)"),
+            (
+                self.reward_clip is None or self.reward_clip > 0,
+                "reward_clip",
+                "must be None or > 0",
+            ),
+            (
+                self.max_completion_length is None or self.max_completion_length >= 1,
+                "max_completion_length",
+                "must be None or >= 1",
+            ),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise InvalidOptionError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class SFTConfig(TrainerConfig):
+    """Hyper-parameters of :class:`SFT` (with :class:`~algorithms.trainer.TrainerConfig`'s
+    optimisation and LoRA settings)."""
+
+    learning_rate: float | None = option(2e-4, "Peak AdamW LR (LoRA adapters want a large LR).")
+    micro_batch_tokens: int = option(
+        1024,
+        "Sequences x padded length per forward/backward. 1024 is fastest and leanest on a "
+        "CPU (larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
+    )
+    epochs: int = option(2, "Passes over the episodes in :meth:`SFT.fit`.")
+    batch_size: int = option(16, "Episodes per optimizer step.")
+    total_steps: int | None = option(None, "Optimizer steps, for linear/cosine decay.")
+
+    def __post_init__(self) -> None:
+        if self.learning_rate is None:
+            self.learning_rate = 2e-4
+        super().__post_init__()
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        check_schedule(self.lr_scheduler, self.warmup_steps, self.total_steps)

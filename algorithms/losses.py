@@ -1,0 +1,161 @@
+"""The loss math, as pure functions of tensors (hand-computed tests in tests/algorithms/).
+
+- :func:`compute_advantages`: rewards ``(B, G)`` -> advantages ``(B, G)`` (group baseline,
+  optional std normalisation; see :mod:`algorithms.grpo` for the choices).
+- :func:`kl_estimate`: Schulman's k1 / k2 / k3 per token.
+- :func:`policy_loss`: the clipped surrogate of each loss type, normalised over the batch.
+- :func:`masked_nll`: SFT's loss over the policy's tokens only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentenv.errors import InvalidOptionError
+from algorithms.config import ADVANTAGE_BASELINES, ADVANTAGE_NORMS, KL_ESTIMATORS, GRPOConfig
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    norm: str = "mean_std",
+    eps: float = 1e-4,
+    *,
+    baseline: str = "group_mean",
+    reward_clip: float | None = None,
+    batch_mean_std: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """Advantages of rewards ``(B, G)``: one row per group; returns ``(B, G)``.
+
+    Rewards are first clipped to ``[-reward_clip, reward_clip]`` (if given). The baseline is
+    subtracted: the group's mean (``group_mean``) or median (``group_median``, the mean of
+    the two middle values for even G), or the whole batch's mean (``global_mean``).
+    ``mean_std`` then divides by the population std plus ``eps``: the group's for group
+    baselines, the batch's for ``global_mean``. With a group baseline, rows whose rewards
+    are all equal get exactly 0. ``batch_mean_std`` gives the batch's mean and std when the
+    batch is spread over processes (default: those of ``rewards``).
+    """
+    if rewards.dim() != 2 or norm not in ADVANTAGE_NORMS or baseline not in ADVANTAGE_BASELINES:
+        raise InvalidOptionError(
+            f"expected rewards (B, G), norm in {ADVANTAGE_NORMS} and baseline in "
+            f"{ADVANTAGE_BASELINES}, got shape {tuple(rewards.shape)}, norm={norm!r}, "
+            f"baseline={baseline!r}"
+        )
+    if reward_clip is not None:
+        rewards = rewards.clamp(-reward_clip, reward_clip)
+    if baseline == "global_mean":
+        if batch_mean_std is None:
+            batch_mean_std = (rewards.mean().item(), rewards.std(correction=0).item())
+        mean, std = batch_mean_std
+        advantages = rewards - mean  # (B, G)
+        if norm == "mean_std":
+            advantages = advantages / (std + eps)
+        return advantages
+    if baseline == "group_median":
+        base = rewards.quantile(0.5, dim=1, keepdim=True)  # (B, 1), interpolated
+    else:
+        base = rewards.mean(dim=1, keepdim=True)  # (B, 1)
+    advantages = rewards - base  # (B, G)
+    if norm == "mean_std":
+        advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
+    zero_std = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (B, 1)
+    return advantages.masked_fill(zero_std, 0.0)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from log-probs of the sampled tokens (same shape).
+
+    With ``d = logp - ref_logp``: ``k1 = d``, ``k2 = d^2 / 2``, ``k3 = exp(-d) + d - 1``.
+    """
+    delta = logp - ref_logp
+    if estimator == "k1":
+        return delta
+    if estimator == "k2":
+        return 0.5 * delta.square()
+    if estimator == "k3":
+        return torch.exp(-delta) + delta - 1
+    raise InvalidOptionError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    config: GRPOConfig,
+    ref_logp: torch.Tensor | None = None,
+    *,
+    entropy: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+    completion_length: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss (+ beta * KL - entropy_coef * H) of ``config.loss_type``.
+
+    Args:
+        logp: Current log-probs ``(N, T)`` (with grad). old_logp, ref_logp: same shape.
+        advantages: One advantage per sequence ``(N,)``.
+        action_mask: ``(N, T)``, 1 on policy tokens; nothing else gets gradient.
+        config: Supplies loss_type, epsilon_low/high, beta, kl_estimator, entropy_coef,
+            max_completion_length.
+        entropy: Per-token entropy ``(N, T)`` with grad, for ``config.entropy_coef > 0``.
+        num_tokens, num_sequences, completion_length: Whole-batch normalisers when this is
+            one micro-batch of several (default: this batch's own counts).
+
+    Returns:
+        ``(loss, metrics)``; metrics: loss, kl, clip_ratio/{low,high,region}_mean (means over
+        this batch's policy tokens).
+    """
+    mask = action_mask.bool()  # (N, T)
+    maskf = mask.to(logp.dtype)
+    tokens_per_seq = maskf.sum(-1)  # (N,)
+    logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
+    log_ratio = logp - old_logp  # (N, T)
+    if config.loss_type == "gspo":  # GSPO-token: value s_i, gradient s_i * grad(logp_t)
+        seq_log_ratio = (log_ratio * maskf).sum(-1) / tokens_per_seq.clamp(min=1)  # (N,)
+        log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()  # (N, T)
+    ratio = torch.exp(log_ratio)  # (N, T)
+    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
+    low, high = 1 - config.epsilon_low, 1 + config.epsilon_high
+    if config.loss_type == "cispo":  # REINFORCE weighted by the clipped, detached ratio
+        weight = torch.clamp(ratio, low, high).detach()  # (N, T)
+        per_token_loss = -adv * weight * logp  # (N, T)
+    else:
+        pg_loss1 = -adv * ratio  # (N, T)
+        pg_loss2 = -adv * torch.clamp(ratio, low, high)  # (N, T)
+        per_token_loss = torch.maximum(pg_loss1, pg_loss2)  # (N, T)
+    kl = torch.zeros_like(per_token_loss)
+    if ref_logp is not None:
+        kl = kl_estimate(logp, ref_logp.masked_fill(~mask, 0.0), config.kl_estimator)  # (N, T)
+        per_token_loss = per_token_loss + config.beta * kl
+    if entropy is not None and config.entropy_coef > 0:
+        per_token_loss = per_token_loss - config.entropy_coef * entropy  # (N, T)
+    masked_loss = per_token_loss * maskf  # (N, T)
+    n_seq = num_sequences if num_sequences is not None else logp.shape[0]
+    if config.loss_type in ("grpo", "gspo"):
+        loss = (masked_loss.sum(-1) / tokens_per_seq.clamp(min=1)).sum() / n_seq
+    elif config.loss_type in ("dapo", "cispo"):
+        loss = masked_loss.sum() / (num_tokens or tokens_per_seq.sum().clamp(min=1))
+    else:  # dr_grpo
+        length = completion_length or config.max_completion_length or tokens_per_seq.max()
+        loss = masked_loss.sum() / (n_seq * length)
+
+    with torch.no_grad():
+        n = maskf.sum().clamp(min=1)
+        if config.loss_type == "cispo":  # the weight is clipped whatever the sign of A
+            is_low, is_high = (ratio < low) & mask, (ratio > high) & mask
+        else:  # the clip only binds where it lowers the objective
+            is_low = (ratio < low) & (adv < 0) & mask
+            is_high = (ratio > high) & (adv > 0) & mask
+        metrics = {
+            "loss": loss.item(),
+            "kl": ((kl * maskf).sum() / n).item(),
+            "clip_ratio/low_mean": (is_low.sum() / n).item(),
+            "clip_ratio/high_mean": (is_high.sum() / n).item(),
+            "clip_ratio/region_mean": ((is_low | is_high).sum() / n).item(),
+        }
+    return loss, metrics
+
+
+def masked_nll(logp: torch.Tensor, action_mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """``-sum(logp * mask) / num_tokens``; ``logp`` and ``action_mask`` are ``(N, T)``."""
+    return -(logp * action_mask).sum() / num_tokens
