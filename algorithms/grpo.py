@@ -90,9 +90,13 @@ class GRPO(Trainer):
     """GRPO trainer: ``GRPO(model, tokenizer, config, sampling=...).learn(groups) -> metrics``.
 
     Values a run owns elsewhere are arguments, not config fields, so that each has one
-    owner: ``sampling`` is the sampler's own settings object (the learner reads its
-    ``temperature`` at every step, so the two cannot disagree), ``total_steps`` the run's
-    step count (the horizon of a decaying LR) and ``seed`` the run's seed (LoRA init).
+    owner: ``sampling`` (required) is the sampler's own settings object (the learner reads
+    its ``temperature`` at every step, so the two cannot disagree), ``total_steps`` the
+    run's step count (the horizon of a decaying LR) and ``seed`` the run's seed (LoRA init).
+
+    ``last_advantages`` holds the ``(B, G)`` advantages the last :meth:`learn` trained on
+    (after reward combination, clipping, KL-in-reward and the baseline; 0 for a group
+    dropped for zero variance): the training loop logs these, never a recomputation.
 
     Model preparation, optimizer, schedule and checkpoints are
     :class:`~algorithms.trainer.Trainer`'s; ``step`` counts ``learn()`` calls.
@@ -105,13 +109,14 @@ class GRPO(Trainer):
         config: GRPOConfig | None = None,
         accelerator: Accelerator | None = None,
         *,
-        sampling: SamplingLike | None = None,
+        sampling: SamplingLike,
         total_steps: int | None = None,
         seed: int = 0,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.sampling = sampling or SimpleNamespace(temperature=1.0)
+        self.sampling = sampling
         self.temperature  # noqa: B018 - validated before any work
+        self.last_advantages: torch.Tensor | None = None  # (B, G) of the last learn()
         self.ref_model = None
         self.reference_adapter: str | None = None
         super().__init__(
@@ -245,6 +250,7 @@ class GRPO(Trainer):
         else:
             rewards_for_advantages = rewards
         advantages = self._advantages(rewards_for_advantages)  # (B, G)
+        self.last_advantages = advantages  # what the loss sees; 0 for dropped groups
         flat = advantages.flatten()
         for mb, idx in zip(batches, rows, strict=True):
             if idx:  # a padding micro-batch keeps its zero advantage

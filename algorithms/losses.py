@@ -21,14 +21,13 @@ def compute_advantages(
     eps: float = 1e-4,
     *,
     baseline: str = "group_mean",
-    reward_clip: float | None = None,
     batch_mean_std: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Advantages of rewards ``(B, G)``: one row per group; returns ``(B, G)``.
 
-    Rewards are first clipped to ``[-reward_clip, reward_clip]`` (if given). The baseline is
-    subtracted: the group's mean (``group_mean``) or median (``group_median``, the mean of
-    the two middle values for even G), or the whole batch's mean (``global_mean``).
+    The baseline is subtracted: the group's mean (``group_mean``) or median
+    (``group_median``, the mean of the two middle values for even G), or the whole batch's
+    mean (``global_mean``); :class:`~algorithms.grpo.GRPO` clips rewards before this.
     ``mean_std`` then divides by the population std plus ``eps``: the group's for group
     baselines, the batch's for ``global_mean``. With a group baseline, rows whose rewards
     are all equal get exactly 0. ``batch_mean_std`` gives the batch's mean and std when the
@@ -40,8 +39,6 @@ def compute_advantages(
             f"{ADVANTAGE_BASELINES}, got shape {tuple(rewards.shape)}, norm={norm!r}, "
             f"baseline={baseline!r}"
         )
-    if reward_clip is not None:
-        rewards = rewards.clamp(-reward_clip, reward_clip)
     if baseline == "global_mean":
         if batch_mean_std is None:
             batch_mean_std = (rewards.mean().item(), rewards.std(correction=0).item())

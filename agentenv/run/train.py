@@ -118,7 +118,6 @@ def train(
     from agentenv.run.tracking import RunLogger
     from algorithms.checkpoint import latest_checkpoint
     from algorithms.grpo import GRPO
-    from algorithms.losses import compute_advantages
 
     config = config or TrainConfig()
     config = dataclasses.replace(
@@ -233,8 +232,7 @@ def train(
         if main:
             logger.log(done, metrics)
         if main and config.log_episodes:
-            rewards = torch.tensor([[e.reward for e in g] for g in groups])
-            adv = compute_advantages(rewards, grpo_cfg.advantage_norm).flatten().tolist()
+            adv = algo.last_advantages.flatten().tolist()  # the trained ones
             eps = [e for g in groups for e in g]
             logger.log_episodes(
                 done, eps[: config.log_episodes], tokenizer, adv[: config.log_episodes]

@@ -7,7 +7,7 @@ its share (``groups[rank::world]``) and rank 0 saves the summed gradient and the
 import sys
 
 import torch
-from toy_episodes import TOY_REWARDS, make_groups
+from toy_episodes import SAMPLING, TOY_REWARDS, make_groups
 
 from agentenv.lm.models import load_tokenizer, tiny_model
 from algorithms.config import GRPOConfig
@@ -17,7 +17,7 @@ from algorithms.grpo import GRPO
 def main(out_path: str, loss_type: str) -> None:
     tokenizer = load_tokenizer()
     cfg = GRPOConfig(loss_type=loss_type, use_lora=False, learning_rate=1e-3, micro_batch_tokens=40)
-    algo = GRPO(tiny_model(tokenizer), tokenizer, cfg)
+    algo = GRPO(tiny_model(tokenizer), tokenizer, cfg, sampling=SAMPLING)
     rank, world = algo.accelerator.process_index, algo.accelerator.num_processes
     mine = make_groups(TOY_REWARDS)[rank::world]
     metrics = algo.learn(mine)

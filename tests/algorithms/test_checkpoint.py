@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from peft import PeftModel
-from toy_episodes import Ep
+from toy_episodes import SAMPLING, Ep
 from transformers import AutoModelForCausalLM
 
 from agentenv.errors import InvalidOptionError
@@ -62,7 +62,7 @@ def assert_same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimiz
 @pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
 def test_save_load_roundtrip(tmp_path, tokenizer, use_lora):
     cfg, steps = config(use_lora=use_lora, lr_scheduler="linear"), 10
-    trainer = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps)
+    trainer = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps, sampling=SAMPLING)
     trainer.learn(make_groups())
     trainer.learn(make_groups(seed=1))
     path = trainer.save(tmp_path / "checkpoint-2")
@@ -70,7 +70,13 @@ def test_save_load_roundtrip(tmp_path, tokenizer, use_lora):
     assert not list(tmp_path.glob("*.tmp-*"))
 
     # LoRA checkpoints hold only the adapter: the base must be the same; full FT: any init
-    fresh = GRPO(build(tokenizer, seed=0 if use_lora else 5), tokenizer, cfg, total_steps=steps)
+    fresh = GRPO(
+        build(tokenizer, seed=0 if use_lora else 5),
+        tokenizer,
+        cfg,
+        total_steps=steps,
+        sampling=SAMPLING,
+    )
     assert not torch.allclose(
         logprobs_of(fresh.model, tokenizer), logprobs_of(trainer.model, tokenizer)
     )
@@ -89,7 +95,7 @@ def test_save_load_roundtrip(tmp_path, tokenizer, use_lora):
 
 
 def test_adapter_loads_with_peft(tmp_path, tokenizer):
-    trainer = GRPO(build(tokenizer), tokenizer, config())
+    trainer = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
     trainer.learn(make_groups())
     path = trainer.save(tmp_path / "ckpt")
     reloaded = PeftModel.from_pretrained(build(tokenizer), path / "adapter")
@@ -99,7 +105,7 @@ def test_adapter_loads_with_peft(tmp_path, tokenizer):
 
 
 def test_full_model_is_hugging_face_format(tmp_path, tokenizer):
-    trainer = GRPO(build(tokenizer), tokenizer, config(use_lora=False))
+    trainer = GRPO(build(tokenizer), tokenizer, config(use_lora=False), sampling=SAMPLING)
     trainer.learn(make_groups())
     path = trainer.save(tmp_path / "ckpt")
     reloaded = AutoModelForCausalLM.from_pretrained(path / "model")
@@ -111,15 +117,15 @@ def test_full_model_is_hugging_face_format(tmp_path, tokenizer):
 @pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
 def test_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, use_lora):
     cfg, steps = config(use_lora=use_lora, beta=0.05, lr_scheduler="cosine"), 5
-    uninterrupted = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps)
+    uninterrupted = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps, sampling=SAMPLING)
     for seed in range(3):
         uninterrupted.learn(make_groups(seed))
 
-    first = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps)
+    first = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps, sampling=SAMPLING)
     for seed in range(2):
         first.learn(make_groups(seed))
     first.save(tmp_path / "checkpoint-2")
-    resumed = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps)
+    resumed = GRPO(build(tokenizer), tokenizer, cfg, total_steps=steps, sampling=SAMPLING)
     resumed.load(latest_checkpoint(tmp_path))
     metrics = resumed.learn(make_groups(2))
 
@@ -132,7 +138,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, use_lora):
 
 
 def test_rng_states_are_restored(tmp_path, tokenizer):
-    trainer = GRPO(build(tokenizer), tokenizer, config())
+    trainer = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     path = trainer.save(tmp_path / "ckpt")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -144,7 +150,7 @@ def test_rng_states_are_restored(tmp_path, tokenizer):
 def test_latest_checkpoint_ignores_partial_folders(tmp_path, tokenizer):
     assert latest_checkpoint(tmp_path / "missing") is None
     assert latest_checkpoint(tmp_path) is None
-    trainer = GRPO(build(tokenizer), tokenizer, config())
+    trainer = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
     trainer.save(tmp_path / "checkpoint-1")
     trainer.step = 3
     trainer.save(tmp_path / "checkpoint-3")
@@ -161,7 +167,7 @@ def test_latest_checkpoint_ignores_partial_folders(tmp_path, tokenizer):
 
 
 def test_resaving_a_path_replaces_it(tmp_path, tokenizer):
-    trainer = GRPO(build(tokenizer), tokenizer, config())
+    trainer = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
     trainer.save(tmp_path / "ckpt")
     trainer.step = 9
     trainer.save(tmp_path / "ckpt")
@@ -170,7 +176,7 @@ def test_resaving_a_path_replaces_it(tmp_path, tokenizer):
 
 
 def test_load_refuses_a_different_lora_setup(tmp_path, tokenizer):
-    path = GRPO(build(tokenizer), tokenizer, config()).save(tmp_path / "ckpt")
-    other = GRPO(build(tokenizer), tokenizer, config(use_lora=False))
+    path = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING).save(tmp_path / "ckpt")
+    other = GRPO(build(tokenizer), tokenizer, config(use_lora=False), sampling=SAMPLING)
     with pytest.raises(InvalidOptionError, match="use_lora=True"):
         other.load(path)

@@ -69,6 +69,7 @@ def test_fsdp2_checkpoints_hold_the_one_process_weights_and_resume(tmp_path, kin
     of one unsharded process on the same batch; the checkpoint also resumes in a plain
     process."""
     from fsdp2_trainer import config as fsdp2_config
+    from toy_episodes import SAMPLING
 
     from agentenv.lm.models import load_tokenizer, tiny_model
     from algorithms.grpo import GRPO
@@ -99,7 +100,7 @@ def test_fsdp2_checkpoints_hold_the_one_process_weights_and_resume(tmp_path, kin
         assert all(m["kl"] > 0 for m in two["metrics"][1:])  # the KL term is live
     tokenizer = load_tokenizer()  # the FSDP2 checkpoint resumes without sharding too
     torch.manual_seed(0)
-    plain = GRPO(tiny_model(tokenizer), tokenizer, fsdp2_config(kind), seed=1)
+    plain = GRPO(tiny_model(tokenizer), tokenizer, fsdp2_config(kind), seed=1, sampling=SAMPLING)
     plain.load(tmp_path / "two.ckpt")
     assert plain.step == 2
     state = plain.optimizer.state_dict()["state"]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from toy_episodes import Ep, make_groups
+from toy_episodes import SAMPLING, Ep, make_groups
 
 from agentenv.errors import InvalidOptionError
 from algorithms.batching import MicroBatch, pack_micro_batches
@@ -100,9 +100,77 @@ def test_median_and_global_baselines_and_reward_clip_by_hand():
     torch.testing.assert_close(scaled, (rewards - 1.75) / (math.sqrt(var) + 1e-4))
     given = compute_advantages(rewards, "mean_std", baseline="global_mean", batch_mean_std=(1, 2))
     torch.testing.assert_close(given, (rewards - 1) / (2 + 1e-4))
-    # clip to [-1, 1] first: (0, 1, 1, 1), mean 0.75
-    clipped = compute_advantages(rewards, "mean_only", reward_clip=1.0)
-    torch.testing.assert_close(clipped[0], torch.tensor([-0.75, 0.25, 0.25, 0.25]))
+
+
+def trained_advantages(trainer: GRPO, groups: list[list[Ep]]) -> list[float | None]:
+    """One ``learn`` step; each episode's advantage as its micro-batch carried it into the
+    loss (``None``: the episode was in no micro-batch, i.e. dropped)."""
+    seen: dict[tuple[int, ...], float] = {}
+    optimize = trainer._optimize
+
+    def spy(batches, totals):  # noqa: ANN001, ANN202
+        for mb in batches:
+            for ids, attn, adv in zip(mb.input_ids, mb.attention_mask, mb.advantages, strict=True):
+                seen[tuple(ids[attn.bool()].tolist())] = adv.item()
+        return optimize(batches, totals)
+
+    trainer._optimize = spy
+    trainer.learn(groups)
+    return [seen.get(tuple(ep.input_ids)) for group in groups for ep in group]
+
+
+def test_reward_clip_comes_before_the_baseline(tiny_model, tokenizer):
+    rewards = [[0.0, 1.0, 2.0, 7.0], [1.0, 1.0, 1.0, 1.0]]
+    trainer = GRPO(
+        tiny_model,
+        tokenizer,
+        config(reward_clip=1.0, advantage_norm="mean_only"),
+        sampling=SAMPLING,
+    )
+    got = trained_advantages(trainer, make_groups(rewards))
+    # clipped to [-1, 1]: (0, 1, 1, 1), mean 0.75; the zero-variance group is dropped
+    assert got[:4] == pytest.approx([-0.75, 0.25, 0.25, 0.25])
+    assert got[4:] == [None] * 4
+    torch.testing.assert_close(
+        trainer.last_advantages, torch.tensor([[-0.75, 0.25, 0.25, 0.25], [0.0] * 4])
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"advantage_baseline": "group_median", "advantage_norm": "mean_only"},
+        {"advantage_baseline": "global_mean"},
+        {"reward_clip": 0.5},
+        {"reward_combination": "uniform"},
+        {"reward_combination": "std"},
+        {"reward_combination": "pca"},
+        {"reward_combination": "l2", "advantage_norm": "mean_only"},
+        {"beta": 0.1, "kl_placement": "reward", "use_lora": False},
+        {"beta": 0.1, "kl_placement": "loss"},
+    ],
+    ids=["default", "median", "global", "clip", "uniform", "std", "pca", "l2", "kl-reward", "kl"],
+)
+def test_last_advantages_are_the_ones_the_loss_trained_on(tokenizer, cfg):
+    """What the training loop logs (``last_advantages``) equals what each micro-batch
+    carried into the loss, for every baseline, clip, reward combination and KL placement;
+    episodes left out of the loss (zero-variance groups) have 0."""
+    from agentenv.lm.models import tiny_model as build
+
+    groups = make_groups([[0, 1, 1, 0], [1, 1, 1, 1], [0.5, 0, 2, 1]])
+    for i, ep in enumerate(ep for group in groups for ep in group):
+        ep.info = {"reward_components": {"answer": ep.reward, "format": float(i % 3 == 0)}}
+    trainer = GRPO(build(tokenizer), tokenizer, config(**cfg), sampling=SAMPLING)
+    trainer.learn(groups)  # a second step: with beta, the policy has moved off the reference
+    got = trained_advantages(trainer, groups)
+    logged = trainer.last_advantages.flatten().tolist()
+    assert sum(a is not None for a in got) >= 8 and any(logged)
+    for want, have in zip(got, logged, strict=True):
+        assert have == (0.0 if want is None else want)
+    if cfg.get("kl_placement") == "reward":  # the penalty moved them off the env's rewards
+        plain = compute_advantages(torch.tensor([[ep.reward for ep in g] for g in groups]))
+        assert not torch.allclose(trainer.last_advantages, plain)
 
 
 def test_advantages_reject_bad_input():
@@ -155,7 +223,7 @@ def test_trainer_rejects_bad_run_values_before_any_work(
     tiny_model, tokenizer, cfg, kwargs, message
 ):
     with pytest.raises(InvalidOptionError, match=message):
-        GRPO(tiny_model, tokenizer, config(**cfg), **kwargs)
+        GRPO(tiny_model, tokenizer, config(**cfg), **{"sampling": SAMPLING, **kwargs})
 
 
 def test_trainer_reads_the_samplers_temperature_from_its_settings_object(tiny_model, tokenizer):
@@ -428,7 +496,7 @@ def test_collate_right_pads():
 def test_learn_updates_the_policy(tiny_model, tokenizer, loss_type, use_lora):
     eps = {"epsilon_low": 3e-4, "epsilon_high": 4e-4} if loss_type == "gspo" else {}
     cfg = config(loss_type=loss_type, use_lora=use_lora, num_iterations=2, **eps)
-    trainer = GRPO(tiny_model, tokenizer, cfg)
+    trainer = GRPO(tiny_model, tokenizer, cfg, sampling=SAMPLING)
     frozen = snapshot(trainer.unwrapped_model, trainable=False)
     trainable = snapshot(trainer.unwrapped_model, trainable=True)
     metrics = trainer.learn(make_groups([[0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]))
@@ -448,7 +516,9 @@ def test_learn_updates_the_policy(tiny_model, tokenizer, loss_type, use_lora):
 
 
 def test_first_iteration_ratio_is_one_and_kl_zero_with_lora_reference(tiny_model, tokenizer):
-    trainer = GRPO(tiny_model, tokenizer, config(beta=0.1))  # LoRA B = 0: policy == reference
+    trainer = GRPO(
+        tiny_model, tokenizer, config(beta=0.1), sampling=SAMPLING
+    )  # LoRA B = 0: policy == reference
     metrics = trainer.learn(make_groups([[0, 1, 1, 0], [1, 0, 0, 0]]))
     assert abs(metrics["kl"]) < 1e-6
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
@@ -461,7 +531,9 @@ def test_kl_in_the_reward_penalises_each_sequence_before_advantages(tokenizer):
     from agentenv.lm.models import tiny_model as build
 
     cfg = config(use_lora=False, beta=0.5, kl_placement="reward", kl_estimator="k1")
-    trainer = GRPO(build(tokenizer), tokenizer, cfg)  # reference: a frozen copy, as passed in
+    trainer = GRPO(
+        build(tokenizer), tokenizer, cfg, sampling=SAMPLING
+    )  # reference: a frozen copy, as passed in
     with torch.no_grad():  # move the policy away from the reference
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -483,7 +555,9 @@ def test_kl_in_the_reward_penalises_each_sequence_before_advantages(tokenizer):
 
 def test_later_iterations_clip(tiny_model, tokenizer):
     cfg = config(num_iterations=3, learning_rate=0.05, epsilon_low=0.01, epsilon_high=0.01)
-    metrics = GRPO(tiny_model, tokenizer, cfg).learn(make_groups([[0, 1, 1, 0], [1, 0, 0, 0]]))
+    metrics = GRPO(tiny_model, tokenizer, cfg, sampling=SAMPLING).learn(
+        make_groups([[0, 1, 1, 0], [1, 0, 0, 0]])
+    )
     assert metrics["clip_ratio/region_mean"] > 0
 
 
@@ -491,8 +565,8 @@ def test_zero_variance_group_is_skipped_exactly(tokenizer):
     from agentenv.lm.models import tiny_model as build
 
     groups = make_groups([[0, 1, 1, 0], [1, 1, 1, 1]], seed=1)
-    a = GRPO(build(tokenizer), tokenizer, config())
-    b = GRPO(build(tokenizer), tokenizer, config())
+    a = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
+    b = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
     a.learn(groups)
     b.learn(groups[:1])
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
@@ -505,8 +579,12 @@ def test_micro_batching_gives_the_one_batch_update(tokenizer, loss_type):
 
     groups = make_groups([[0, 1, 1, 0], [1, 0, 0, 0]], seed=2)
     cfg = {"loss_type": loss_type, "use_lora": False, "learning_rate": 1e-3, "beta": 0.1}
-    small = GRPO(build(tokenizer), tokenizer, config(micro_batch_tokens=20, **cfg))
-    large = GRPO(build(tokenizer), tokenizer, config(micro_batch_tokens=10_000, **cfg))
+    small = GRPO(
+        build(tokenizer), tokenizer, config(micro_batch_tokens=20, **cfg), sampling=SAMPLING
+    )
+    large = GRPO(
+        build(tokenizer), tokenizer, config(micro_batch_tokens=10_000, **cfg), sampling=SAMPLING
+    )
     ms, ml = small.learn(groups), large.learn(groups)
     assert ms["loss"] == pytest.approx(ml["loss"], abs=1e-6)
     assert ms["grad_norm"] == pytest.approx(ml["grad_norm"], rel=1e-4)
@@ -522,7 +600,7 @@ def test_micro_batching_gives_the_one_batch_update(tokenizer, loss_type):
 
 
 def test_all_zero_variance_batch_changes_nothing(tiny_model, tokenizer):
-    trainer = GRPO(tiny_model, tokenizer, config())
+    trainer = GRPO(tiny_model, tokenizer, config(), sampling=SAMPLING)
     before = snapshot(trainer.model)
     metrics = trainer.learn(make_groups([[1, 1, 1, 1], [0, 0, 0, 0]]))
     assert metrics["frac_reward_zero_std"] == 1.0 and metrics["loss"] == 0.0
@@ -531,7 +609,7 @@ def test_all_zero_variance_batch_changes_nothing(tiny_model, tokenizer):
 
 
 def test_learn_rejects_malformed_groups(tiny_model, tokenizer):
-    trainer = GRPO(tiny_model, tokenizer, config())
+    trainer = GRPO(tiny_model, tokenizer, config(), sampling=SAMPLING)
     with pytest.raises(InvalidOptionError, match="same size, got group sizes \\[3, 4\\]"):
         trainer.learn(make_groups([[0, 1, 1, 0]]) + make_groups([[0, 1, 1]]))
     with pytest.raises(InvalidOptionError, match=">= 2 episodes.*sizes \\[1\\]"):
@@ -544,7 +622,7 @@ def test_learn_rejects_malformed_groups(tiny_model, tokenizer):
 
 def test_learning_rate_schedule_counts_learn_calls(tiny_model, tokenizer):
     cfg = config(lr_scheduler="linear", warmup_steps=1, learning_rate=1e-3)
-    trainer = GRPO(tiny_model, tokenizer, cfg, total_steps=3)
+    trainer = GRPO(tiny_model, tokenizer, cfg, total_steps=3, sampling=SAMPLING)
     groups = make_groups([[0, 1, 1, 0]])
     lrs = [trainer.learn(groups)["learning_rate"] for _ in range(3)]
     assert lrs == pytest.approx([0.0, 1e-3, 5e-4])
@@ -555,7 +633,7 @@ def test_a_peft_model_keeps_its_adapter(tiny_model, tokenizer):
 
     peft_model = get_peft_model(tiny_model, LoraConfig(task_type="CAUSAL_LM", r=2))
     expected = {n for n, p in peft_model.named_parameters() if "lora_" in n}
-    trainer = GRPO(peft_model, tokenizer, config())
+    trainer = GRPO(peft_model, tokenizer, config(), sampling=SAMPLING)
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable == expected  # no adapter nested inside the adapter
     assert trainer.learn(make_groups([[0, 1, 1, 0]]))["grad_norm"] > 0
@@ -563,15 +641,17 @@ def test_a_peft_model_keeps_its_adapter(tiny_model, tokenizer):
 
     other = get_peft_model(build(tokenizer), LoraConfig(task_type="CAUSAL_LM", r=2))
     with pytest.raises(InvalidOptionError, match="merge_and_unload"):
-        GRPO(other, tokenizer, config(use_lora=False))
+        GRPO(other, tokenizer, config(use_lora=False), sampling=SAMPLING)
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(tokenizer):
     from agentenv.lm.models import tiny_model as build
 
     groups = make_groups([[0, 1, 1, 0], [1, 0, 0, 0]])
-    plain = GRPO(build(tokenizer), tokenizer, config())
-    checkpointed = GRPO(build(tokenizer), tokenizer, config(gradient_checkpointing=True))
+    plain = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
+    checkpointed = GRPO(
+        build(tokenizer), tokenizer, config(gradient_checkpointing=True), sampling=SAMPLING
+    )
     plain.learn(groups)
     checkpointed.learn(groups)
     for a, b in zip(plain._params, checkpointed._params, strict=True):
@@ -592,7 +672,7 @@ def _warm_started(tokenizer):
 
 def test_a_warm_started_adapter_is_its_own_kl_reference(tokenizer, tmp_path):
     groups = make_groups([[0, 1, 1, 0], [1, 0, 0, 0]])
-    trainer = GRPO(_warm_started(tokenizer), tokenizer, config(beta=0.1))
+    trainer = GRPO(_warm_started(tokenizer), tokenizer, config(beta=0.1), sampling=SAMPLING)
     reference = {
         n: p.clone() for n, p in trainer.unwrapped_model.named_parameters() if ".reference." in n
     }
@@ -605,7 +685,9 @@ def test_a_warm_started_adapter_is_its_own_kl_reference(tokenizer, tmp_path):
     saved = trainer.save(tmp_path / "ckpt") / "adapter"
     assert not (saved / "reference").exists()  # the checkpoint holds the trained adapter only
 
-    base = GRPO(_warm_started(tokenizer), tokenizer, config(beta=0.1, reference="base"))
+    base = GRPO(
+        _warm_started(tokenizer), tokenizer, config(beta=0.1, reference="base"), sampling=SAMPLING
+    )
     assert base.learn(groups)["kl"] > 0  # the adapter-disabled base differs from the start
 
 

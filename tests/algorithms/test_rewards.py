@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from toy_episodes import Ep
+from toy_episodes import SAMPLING, Ep
 
 from agentenv.errors import InvalidOptionError
 from algorithms.config import GRPOConfig
@@ -77,14 +77,17 @@ def episodes(components: list[dict[str, float]], reward: float = 1.0) -> list[Ep
 
 def test_grpo_learns_from_combined_components(tiny_model, tokenizer):
     group = episodes([{"answer": 1, "format": 1}, {"answer": 0, "format": 1}, {"format": 0}])
-    weighted = GRPO(tiny_model, tokenizer, GRPOConfig(learning_rate=1e-3))
+    weighted = GRPO(tiny_model, tokenizer, GRPOConfig(learning_rate=1e-3), sampling=SAMPLING)
     metrics = weighted.learn([group])  # the env's rewards are equal: nothing to learn
     assert metrics["frac_reward_zero_std"] == 1.0 and metrics["grad_norm"] == 0.0
     assert metrics["rewards/components/answer"] == pytest.approx(1 / 3)
     assert metrics["rewards/components/format"] == pytest.approx(2 / 3)
 
     uniform = GRPO(
-        tiny_model, tokenizer, GRPOConfig(learning_rate=1e-3, reward_combination="uniform")
+        tiny_model,
+        tokenizer,
+        GRPOConfig(learning_rate=1e-3, reward_combination="uniform"),
+        sampling=SAMPLING,
     )
     metrics = uniform.learn([group])  # rewards (1, 0.5, 0): a learning signal
     assert metrics["rewards/mean"] == pytest.approx(0.5)

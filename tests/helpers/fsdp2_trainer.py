@@ -23,7 +23,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from safetensors.torch import load_file
-from toy_episodes import TOY_REWARDS, make_groups
+from toy_episodes import SAMPLING, TOY_REWARDS, make_groups
 
 from agentenv.lm import weights
 from agentenv.lm.engine import SamplingConfig
@@ -57,7 +57,7 @@ def config(kind: str) -> GRPOConfig:
 def trainer(acc: Accelerator, tokenizer, kind: str, seed: int) -> GRPO:
     torch.manual_seed(0)  # the same base weights in every process and every trainer
     model = tiny_model(tokenizer)
-    return GRPO(model, tokenizer, config(kind), accelerator=acc, seed=seed)
+    return GRPO(model, tokenizer, config(kind), accelerator=acc, seed=seed, sampling=SAMPLING)
 
 
 def whole(algo: GRPO) -> dict[str, torch.Tensor]:

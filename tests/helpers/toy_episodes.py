@@ -1,9 +1,14 @@
-"""A minimal episode for algorithm tests (what ``GRPO.learn`` reads, nothing more), and
-the fixed batch the multi-process tests split between processes."""
+"""A minimal episode for algorithm tests (what ``GRPO.learn`` reads, nothing more), the
+fixed batch the multi-process tests split between processes, and the sampler settings a
+``GRPO`` is built with (its required ``sampling``)."""
 
 import random
 from dataclasses import dataclass, field
 from typing import Any
+
+from agentenv.lm.engine import SamplingConfig
+
+SAMPLING = SamplingConfig()  # temperature 1.0: what the toy episodes were "sampled" with
 
 
 @dataclass

@@ -430,3 +430,54 @@ def test_the_example_recipes_resolve_and_their_envs_build(name):
         assert env.unwrapped.prompt_style == "compact" == cfg.env_kwargs["prompt_style"]
     finally:
         env.close()
+
+
+def _length_reward_env(**kwargs):  # noqa: ANN003, ANN202
+    """The word-problems Calculator, but every action ends the episode with a reward from
+    its length, so a tiny random model's groups have reward variance."""
+    from envs.calculator.env import CalculatorEnv
+
+    class LengthReward(CalculatorEnv):
+        def step(self, action):  # noqa: ANN001, ANN202
+            obs, _, _, _, info = super().step(action)
+            return obs, float(len(action) % 3), True, False, info
+
+    return LengthReward(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "grpo",
+    [
+        {},
+        {"advantage_baseline": "group_median", "advantage_norm": "mean_only"},
+        {"advantage_baseline": "global_mean"},
+        {"reward_clip": 0.5, "advantage_norm": "mean_only"},
+    ],
+    ids=["default", "median", "global", "clip"],
+)
+def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkeypatch, grpo):
+    from algorithms.grpo import GRPO
+    from algorithms.losses import compute_advantages
+
+    agentenv.register("LengthReward-v0", entry_point=_length_reward_env, override=True)
+    trained = []
+    learn = GRPO.learn
+
+    def spy(self, groups):  # noqa: ANN001, ANN202
+        metrics = learn(self, groups)
+        trained.append((self.last_advantages.flatten().tolist(), groups))
+        return metrics
+
+    monkeypatch.setattr(GRPO, "learn", spy)
+    cfg = config(tiny_model_dir, tmp_path / "run", steps=1, eval_tasks=0, log_episodes=4)
+    cfg = dataclasses.replace(
+        cfg, env_id="LengthReward-v0", grpo={"learning_rate": 1e-3, **grpo}, seed=3
+    )
+    run = train(config=cfg)
+    ((want, groups),) = trained
+    logged = [json.loads(x) for x in (run / "episodes" / "step_000001.jsonl").open()]
+    assert [e["advantage"] for e in logged] == pytest.approx(want) and any(want)
+    assert [e["reward"] for e in logged] == [ep.reward for g in groups for ep in g]
+    if grpo.get("reward_clip"):  # what the loop wrote before: advantages of unclipped rewards
+        rewards = torch.tensor([[ep.reward for ep in g] for g in groups])
+        assert compute_advantages(rewards, "mean_only").flatten().tolist() != pytest.approx(want)
