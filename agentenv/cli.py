@@ -198,7 +198,6 @@ def _cmd_quickstart(args: argparse.Namespace) -> int:
             steps=args.steps,
             batch_size=4,
             rollout={
-                "group_size": 8,
                 "max_turns": 2,
                 "max_episode_tokens": 384,
                 # at 1.0 a small warm-started model rarely answers right

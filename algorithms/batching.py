@@ -86,6 +86,25 @@ def pack_micro_batches(
     return batches
 
 
+def padding_micro_batch(pad_token_id: int, device: torch.device | str | None = None) -> MicroBatch:
+    """A micro-batch with no policy token (loss 0, zero gradient).
+
+    DDP all-reduces gradients on a process's last backward of a step, and every process must
+    make the same number of backward calls: a process with fewer micro-batches than another
+    runs these until the counts match (GRPO and SFT both do).
+    """
+    pad = _Padding([pad_token_id] * 2, [0, 0], [0.0, 0.0], 0.0)
+    return MicroBatch.from_episodes([pad], [0.0], pad_token_id, device)
+
+
+@dataclass
+class _Padding:
+    input_ids: list[int]
+    action_mask: list[int]
+    sampler_logprobs: list[float]
+    reward: float
+
+
 def prompt_length(action_mask: Sequence[int]) -> int:
     """Tokens before the first policy token (the episode's prompt)."""
     return next((t for t, m in enumerate(action_mask) if m), len(action_mask))

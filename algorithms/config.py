@@ -24,6 +24,13 @@ REFERENCES = ("initial", "base")
 REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
 
+# What None means for the two settings whose good value depends on the algorithm (declared
+# once, in TrainerConfig; each algorithm's config fills its own in).
+GRPO_LR = {"lora": 5e-5, "full": 1e-5}
+SFT_LR = 2e-4
+GRPO_MICRO_BATCH_TOKENS = 768
+SFT_MICRO_BATCH_TOKENS = 1024
+
 
 def check_schedule(lr_scheduler: str, warmup_steps: int, total_steps: int | None) -> None:
     """A decaying LR needs the run's length: raise naming the fix if it is missing."""
@@ -40,10 +47,21 @@ def check_schedule(lr_scheduler: str, warmup_steps: int, total_steps: int | None
 
 @dataclass
 class TrainerConfig:
-    """Optimisation and LoRA settings every trainer has (GRPOConfig and SFTConfig extend it)."""
+    """Optimisation and LoRA settings every trainer has (GRPOConfig and SFTConfig extend it
+    and fill in their own ``learning_rate`` and ``micro_batch_tokens`` where None)."""
 
-    learning_rate: float | None = option(None, "Peak AdamW LR (each algorithm sets a default).")
-    micro_batch_tokens: int = option(1024, "Tokens per forward/backward (sequences x length).")
+    learning_rate: float | None = option(
+        None,
+        f"Peak AdamW LR. None: the algorithm's (GRPO {GRPO_LR['lora']:g} with LoRA, "
+        f"{GRPO_LR['full']:g} full fine-tuning; SFT {SFT_LR:g}): adapters want a larger LR.",
+    )
+    micro_batch_tokens: int | None = option(
+        None,
+        "Tokens per forward/backward: sequences x padded length, a GRPO group's shared "
+        f"prompt counted once. None: the algorithm's (GRPO {GRPO_MICRO_BATCH_TOKENS}, SFT "
+        f"{SFT_MICRO_BATCH_TOKENS}): on a CPU as fast as any, and a step stays near 3 GB "
+        "(larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
+    )
     max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     warmup_steps: int = option(0, "Linear LR warmup, in optimizer steps.")
@@ -67,7 +85,11 @@ class TrainerConfig:
             )
         checks = [
             (self.learning_rate is None or self.learning_rate > 0, "learning_rate", "> 0"),
-            (self.micro_batch_tokens >= 1, "micro_batch_tokens", ">= 1"),
+            (
+                self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+                "micro_batch_tokens",
+                ">= 1",
+            ),
             (self.max_grad_norm > 0, "max_grad_norm", "> 0"),
             (self.weight_decay >= 0, "weight_decay", ">= 0"),
             (self.warmup_steps >= 0, "warmup_steps", ">= 0"),
@@ -85,15 +107,6 @@ class GRPOConfig(TrainerConfig):
     """Hyper-parameters of :class:`GRPO` (with :class:`~algorithms.trainer.TrainerConfig`'s
     optimisation and LoRA settings); validated across fields on construction."""
 
-    learning_rate: float | None = option(
-        None, "Peak AdamW LR. None: 5e-5 with LoRA (adapters want a larger LR), 1e-5 full FT."
-    )
-    micro_batch_tokens: int = option(
-        768,
-        "Tokens per forward/backward: sequences x padded length, a group's shared prompt "
-        "counted once. On a CPU 768-1024 is as fast as any and keeps a step near 3 GB "
-        "(larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
-    )
     beta: float = option(0.0, "KL coefficient to the reference; 0: no reference at all.")
     kl_estimator: str = option(
         "k3",
@@ -157,7 +170,9 @@ class GRPOConfig(TrainerConfig):
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:
-            self.learning_rate = 5e-5 if self.use_lora else 1e-5
+            self.learning_rate = GRPO_LR["lora" if self.use_lora else "full"]
+        if self.micro_batch_tokens is None:
+            self.micro_batch_tokens = GRPO_MICRO_BATCH_TOKENS
         super().__post_init__()
         choices = {
             "loss_type": LOSS_TYPES,
@@ -200,19 +215,15 @@ class SFTConfig(TrainerConfig):
     """Hyper-parameters of :class:`SFT` (with :class:`~algorithms.trainer.TrainerConfig`'s
     optimisation and LoRA settings)."""
 
-    learning_rate: float | None = option(2e-4, "Peak AdamW LR (LoRA adapters want a large LR).")
-    micro_batch_tokens: int = option(
-        1024,
-        "Sequences x padded length per forward/backward. 1024 is fastest and leanest on a "
-        "CPU (larger batches only add memory); on a GPU raise it (e.g. 16384) for speed.",
-    )
     epochs: int = option(2, "Passes over the episodes in :meth:`SFT.fit`.")
     batch_size: int = option(16, "Episodes per optimizer step.")
     total_steps: int | None = option(None, "Optimizer steps, for linear/cosine decay.")
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:
-            self.learning_rate = 2e-4
+            self.learning_rate = SFT_LR
+        if self.micro_batch_tokens is None:
+            self.micro_batch_tokens = SFT_MICRO_BATCH_TOKENS
         super().__post_init__()
         for name in ("epochs", "batch_size"):
             if getattr(self, name) < 1:

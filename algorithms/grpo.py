@@ -56,7 +56,6 @@ import copy
 import time
 import warnings
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
@@ -65,7 +64,13 @@ from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.precision import autocast
-from algorithms.batching import EpisodeLike, MicroBatch, pack_micro_batches, prompt_length
+from algorithms.batching import (
+    EpisodeLike,
+    MicroBatch,
+    pack_micro_batches,
+    padding_micro_batch,
+    prompt_length,
+)
 from algorithms.config import (
     REFERENCE_ADAPTER,
     GRPOConfig,
@@ -129,8 +134,6 @@ class GRPO(Trainer):
             dtype=dtype,
         )
         self.config: GRPOConfig
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
 
     def _before_adapters(self, model: torch.nn.Module) -> None:
         """The KL reference, seen before training starts (see the module docstring)."""
@@ -218,11 +221,6 @@ class GRPO(Trainer):
             yield
         finally:
             policy.set_adapter(active)  # the trained adapter active and trainable again
-
-    def _global(self, values: list[float], reduction: str) -> list[float]:
-        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        tensor = tensor.to(self.accelerator.device)
-        return self.accelerator.reduce(tensor, reduction=reduction).tolist()
 
     def learn(self, groups: Sequence[Sequence[EpisodeLike]]) -> dict[str, float]:
         """One GRPO step on ``groups`` (one inner sequence of ``group_size`` episodes per task).
@@ -342,16 +340,9 @@ class GRPO(Trainer):
             for idx in rows
         ]
         num_batches = int(self._global([len(batches)], "max")[0])
-        if num_batches > len(batches):  # same number of backward calls on every process
-            pad = SimpleNamespace(
-                input_ids=[self.pad_token_id] * 2,
-                action_mask=[0, 0],
-                sampler_logprobs=[0.0, 0.0],
-                reward=0.0,
-            )
-            missing = num_batches - len(batches)
-            batches += [MicroBatch.from_episodes([pad], [0.0], self.pad_token_id, device)] * missing
-            rows += [[]] * missing
+        missing = num_batches - len(batches)  # same number of backward calls on every process
+        batches += [padding_micro_batch(self.pad_token_id, device)] * missing
+        rows += [[]] * missing
         totals = {
             "num_tokens": num_tokens,
             "num_sequences": num_sequences,

@@ -10,6 +10,7 @@ RL will see: prompt, tool results and template scaffolding are masked out.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Sequence
@@ -20,8 +21,7 @@ from accelerate import Accelerator
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.precision import autocast
-from agentenv.rollout.episode import collate
-from algorithms.batching import EpisodeLike, pack_micro_batches
+from algorithms.batching import EpisodeLike, MicroBatch, pack_micro_batches, padding_micro_batch
 from algorithms.config import SFTConfig
 from algorithms.logprobs import token_logprobs
 from algorithms.losses import masked_nll
@@ -59,57 +59,82 @@ class SFT(Trainer):
         self.config: SFTConfig
 
     def learn(self, episodes: Sequence[EpisodeLike]) -> dict[str, float]:
-        """One optimizer step on ``episodes`` (accumulated over micro-batches)."""
+        """One optimizer step on ``episodes`` (accumulated over micro-batches).
+
+        Under several processes each passes its own share (shares may differ in size, or be
+        empty): the loss is normalised by the policy tokens of all shares and every process
+        makes the same number of backward calls, so the step equals one process's on the
+        union of the shares.
+        """
         start = time.perf_counter()
-        device = self.accelerator.device
-        num_tokens = float(sum(sum(e.action_mask) for e in episodes))
+        acc, device = self.accelerator, self.accelerator.device
+        local_tokens = sum(sum(e.action_mask) for e in episodes)
+        packs = pack_micro_batches(
+            [len(e.input_ids) for e in episodes], self.config.micro_batch_tokens
+        )
+        (num_tokens,) = self._global([local_tokens], "sum")
+        (num_batches,) = self._global([len(packs)], "max")
         if num_tokens == 0:
             raise InvalidOptionError("the episodes contain no policy tokens to learn from")
+        batches = [
+            MicroBatch.from_episodes(
+                [episodes[i] for i in idx], [0.0] * len(idx), self.pad_token_id, device
+            )
+            for idx in packs
+        ]
+        batches += [padding_micro_batch(self.pad_token_id, device)] * (
+            int(num_batches) - len(batches)
+        )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss = 0.0
-        pad = self.tokenizer.pad_token_id
-        for idx in pack_micro_batches(
-            [len(e.input_ids) for e in episodes], self.config.micro_batch_tokens
-        ):
-            batch = collate([episodes[i] for i in idx], [0.0] * len(idx), pad)
-            ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            mask = batch["action_mask"].to(device)  # (N, T)
-            with autocast(self.accelerator.device, self.dtype):
-                logp = token_logprobs(self.model, ids, attn, action_mask=mask)  # (N, T)
-            loss = masked_nll(logp, mask, num_tokens)
-            self.accelerator.backward(loss)
-            total_loss += loss.item()
-        grad_norm = self.accelerator.clip_grad_norm_(self._params, self.config.max_grad_norm)
+        local_loss = 0.0
+        for j, mb in enumerate(batches):
+            last = j == len(batches) - 1  # gradients all-reduce on the last backward only
+            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                with autocast(device, self.dtype):
+                    logp = token_logprobs(
+                        self.model, mb.input_ids, mb.attention_mask, action_mask=mb.action_mask
+                    )  # (N, T)
+                loss = masked_nll(logp, mb.action_mask, num_tokens)
+                acc.backward(loss * acc.num_processes)  # DDP averages; we want the sum
+            local_loss += loss.item()
+        grad_norm = acc.clip_grad_norm_(self._params, self.config.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        elapsed = time.perf_counter() - start
-        processed = sum(len(e.input_ids) for e in episodes)
+        total_loss, processed = self._global(
+            [local_loss, sum(len(e.input_ids) for e in episodes)], "sum"
+        )
         return {
             "sft/loss": total_loss,
             "sft/grad_norm": float(grad_norm),
             "learning_rate": lr,
             "sft/policy_tokens": num_tokens,
-            "tokens_per_second": processed / elapsed,
+            "tokens_per_second": processed / (time.perf_counter() - start),
             "step": float(self.step),
         }
 
     def fit(self, episodes: Sequence[EpisodeLike], *, progress: bool = True) -> list[dict]:
-        """``config.epochs`` shuffled passes of ``batch_size``-episode steps."""
+        """``config.epochs`` shuffled passes of ``batch_size``-episode steps.
+
+        Every process passes the same ``episodes`` (the same seed shuffles them alike); under
+        several processes each learns on its share of every step's batch.
+        """
         from tqdm.auto import tqdm
 
         order = list(range(len(episodes)))
         rng = random.Random(self.seed)
         bs = self.config.batch_size
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
         steps = self.config.epochs * -(-len(order) // bs)
         history = []
-        with tqdm(total=steps, desc="sft", disable=not progress) as bar:
+        with tqdm(total=steps, desc="sft", disable=not progress or rank != 0) as bar:
             for _ in range(self.config.epochs):
                 rng.shuffle(order)
                 for i in range(0, len(order), bs):
-                    history.append(self.learn([episodes[j] for j in order[i : i + bs]]))
+                    share = order[i : i + bs][rank::world]
+                    history.append(self.learn([episodes[j] for j in share]))
                     bar.update(1)
                     bar.set_postfix(loss=f"{history[-1]['sft/loss']:.3f}")
         return history

@@ -74,6 +74,8 @@ class Trainer:
                 "its adapter, or model.merge_and_unload() to fine-tune the merged weights"
             )
         self.tokenizer = tokenizer
+        pad = tokenizer.pad_token_id
+        self.pad_token_id: int = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.accelerator = accelerator or default_accelerator(model)
         self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
         use_cpu_bf16_attention(model, self.dtype)  # the sampler's kernel; 3x faster backward
@@ -114,6 +116,12 @@ class Trainer:
 
     def _before_adapters(self, model: torch.nn.Module) -> None:
         """Hook: see the model as passed in, before any adapter (GRPO's reference copy)."""
+
+    def _global(self, values: list[float], reduction: str) -> list[float]:
+        """``values`` reduced (``"sum"`` / ``"max"``) over every process, as float64."""
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        tensor = tensor.to(self.accelerator.device)
+        return self.accelerator.reduce(tensor, reduction=reduction).tolist()
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:

@@ -69,7 +69,6 @@ def resolve(
 
 def _training_rollout() -> RolloutConfig:
     return RolloutConfig(
-        group_size=8,
         max_turns=3,
         max_episode_tokens=1024,
         sampling=SamplingConfig(max_new_tokens=64),
@@ -93,7 +92,7 @@ class TrainConfig(CommandConfig):
     profile: str | None = option(
         None,
         "conservative | balanced | aggressive: a bundle of GRPO settings (LR, clip, KL, "
-        "entropy, G; see agentenv.run.profiles) under --config and flags, which still win.",
+        "entropy; see agentenv.run.profiles) under --config and flags, which still win.",
     )
     steps: int = option(20, "GRPO steps (one batch of B x G episodes each).")
     batch_size: int = option(4, "Tasks per step (B).")

@@ -6,12 +6,12 @@ were used (and the profile's name). The bundles follow common practice for LoRA 
 small models:
 
 * ``conservative``: a low LR (2e-5), the symmetric clip 0.2, a KL leash to the starting
-  policy (beta 0.04, k3 in the loss), tighter gradient clipping (0.5) and G = 8: slow,
-  stable updates that stay close to a warm start.
-* ``balanced``: LR 5e-5, DAPO's clip-higher (0.2 / 0.28), no KL, G = 8: the defaults
-  with clip-higher, which keeps exploration alive on low-entropy policies.
+  policy (beta 0.04, k3 in the loss), and tighter gradient clipping (0.5):
+  slow, stable updates that stay close to a warm start.
+* ``balanced``: LR 5e-5, DAPO's clip-higher (0.2 / 0.28), no KL: the defaults with
+  clip-higher, which keeps exploration alive on low-entropy policies.
 * ``aggressive``: LR 1e-4, clip-higher (0.2 / 0.28), no KL, a small entropy bonus
-  (0.001) against collapse, two optimizer steps per batch (clipped) and G = 8: fast
+  (0.001) against collapse, and two optimizer steps per batch (clipped): fast
   movement for short runs; watch ``clip_ratio/*`` and ``entropy``.
 """
 
@@ -23,7 +23,6 @@ from agentenv.errors import InvalidOptionError
 
 PROFILES: dict[str, dict[str, Any]] = {
     "conservative": {
-        "rollout": {"group_size": 8},
         "grpo": {
             "learning_rate": 2e-5,
             "epsilon_low": 0.2,
@@ -37,7 +36,6 @@ PROFILES: dict[str, dict[str, Any]] = {
         },
     },
     "balanced": {
-        "rollout": {"group_size": 8},
         "grpo": {
             "learning_rate": 5e-5,
             "epsilon_low": 0.2,
@@ -49,7 +47,6 @@ PROFILES: dict[str, dict[str, Any]] = {
         },
     },
     "aggressive": {
-        "rollout": {"group_size": 8},
         "grpo": {
             "learning_rate": 1e-4,
             "epsilon_low": 0.2,

@@ -35,12 +35,26 @@ def run(out: Path, args: str, processes: int, worker: Path = WORKER) -> dict:
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_two_processes_give_the_one_process_update(tmp_path, loss_type):
-    one = run(tmp_path / "one.pt", loss_type, 1)
-    two = run(tmp_path / "two.pt", loss_type, 2)
+    one = run(tmp_path / "one.pt", f"grpo {loss_type}", 1)
+    two = run(tmp_path / "two.pt", f"grpo {loss_type}", 2)
     assert two["world"] == 2 and one["world"] == 1
     for key in ("loss", "rewards/mean", "frac_reward_zero_std", "num_sequences"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7)
     assert two["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-4)
+    for name, g in one["grads"].items():
+        scale = g.abs().max().item()
+        torch.testing.assert_close(two["grads"][name], g, atol=1e-5 * scale + 1e-12, rtol=1e-4)
+
+
+def test_sft_on_uneven_shares_gives_the_one_process_update(tmp_path):
+    """SFT on 2 processes with 7 and 2 episodes (so different micro-batch counts) finishes
+    and gives the gradient, loss and grad norm of one process on all 9."""
+    one = run(tmp_path / "one.pt", "sft", 1)
+    two = run(tmp_path / "two.pt", "sft", 2)
+    assert (one["world"], two["world"]) == (1, 2)
+    for key in ("sft/loss", "sft/policy_tokens", "sft/grad_norm"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4)
+    assert one["metrics"]["sft/grad_norm"] > 0
     for name, g in one["grads"].items():
         scale = g.abs().max().item()
         torch.testing.assert_close(two["grads"][name], g, atol=1e-5 * scale + 1e-12, rtol=1e-4)
