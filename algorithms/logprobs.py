@@ -308,26 +308,14 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int | None = None,
     action_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of every token under ``model``, aligned to input positions: ``(N, T)``.
 
     Sequences must be right-padded (positions are counted from 0, as in ``collate``).
-    Position 0 and padding get 0. ``chunk_size`` sequences (default: all) run through the
-    model at a time. With ``action_mask`` only positions from the first policy token on are
-    scored (the rest are 0). Differentiable unless under ``no_grad``.
+    Position 0 and padding get 0. With ``action_mask`` only positions from the first policy
+    token on are scored (the rest are 0). Differentiable unless under ``no_grad``.
     """
-    rows = chunk_size or input_ids.shape[0]
-    return torch.cat(
-        [
-            forward_logprobs(
-                model,
-                input_ids[i : i + rows],
-                attention_mask[i : i + rows],
-                temperature,
-                action_mask=None if action_mask is None else action_mask[i : i + rows],
-            )[0]
-            for i in range(0, input_ids.shape[0], rows)
-        ]
-    )
+    return forward_logprobs(model, input_ids, attention_mask, temperature, action_mask=action_mask)[
+        0
+    ]

@@ -261,7 +261,12 @@ def train(
 
 def _processes() -> tuple[int, int]:
     """``(world size, rank)`` of this run, from the launcher's environment (``accelerate
-    launch`` and ``torchrun`` set WORLD_SIZE / RANK); ``(1, 0)`` for a plain process."""
+    launch`` and ``torchrun`` set WORLD_SIZE / RANK); ``(1, 0)`` for a plain process.
+
+    Read here, not from ``accelerate.PartialState``: building that initialises the process
+    group and picks its device and backend before the model's device is known (the
+    trainer's ``Accelerator`` does that later), and this runs before any model loads so
+    that a bad ``batch_size`` fails first."""
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
