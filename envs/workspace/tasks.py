@@ -25,31 +25,17 @@ import functools
 import hashlib
 import json
 import random
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 from agentenv.env.core import Task
 from agentenv.errors import InvalidOptionError, TaskSourceError
+from envs.workspace.families import FAMILIES
+from envs.workspace.families.base import TaskSpec, ToolCallSpec
 from envs.workspace.workspace import Workspace
 
 LEVELS = ("easy", "hard")
 TEST_FRACTION = 0.2
 DEFAULT_NUM_TASKS = {"train": 800, "test": 200}
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """What a family generator returns.
-
-    Attributes:
-        prompt: The instructions for the agent.
-        files: Fixture files, ``{relative path: text}``.
-        params: Everything the checker and the solver need (JSON-serialisable).
-    """
-
-    prompt: str
-    files: dict[str, str]
-    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,37 +60,9 @@ class CheckResult:
         return sum(ok for _, ok in self.checks) / len(self.checks) if self.checks else 0.0
 
 
-ToolCallSpec = dict[str, Any]
-"""A scripted tool call: ``{"name": "write_file", "arguments": {...}}``."""
-
-
-class Family(Protocol):
-    """A task family: a generator, a checker and a scripted solver."""
-
-    name: str
-
-    def generate(self, rng: random.Random, level: str) -> TaskSpec:
-        """A new task of ``level`` drawn with ``rng``."""
-        ...
-
-    def check(self, params: dict[str, Any], ws: Workspace) -> list[tuple[str, bool]]:
-        """Named checks of the final state of ``ws``."""
-        ...
-
-    def solve(self, params: dict[str, Any], files: dict[str, str]) -> list[ToolCallSpec]:
-        """Tool calls that solve the task (without the final answer)."""
-        ...
-
-
-def _families() -> dict[str, Family]:
-    from envs.workspace.families import FAMILIES
-
-    return FAMILIES
-
-
 def family_names() -> tuple[str, ...]:
     """Names of the bundled families, in order."""
-    return tuple(_families())
+    return tuple(FAMILIES)
 
 
 def split_of(key: str, test_fraction: float = TEST_FRACTION) -> str:
@@ -168,7 +126,7 @@ def _load_cached(
 
 def _stream(split: str, family: str, level: str, seed: int, count: int) -> list[Task]:
     """The first ``count`` tasks of one family/level that fall in ``split``."""
-    fam = _families()[family]
+    fam = FAMILIES[family]
     out: list[Task] = []
     seen: set[str] = set()
     j = 0
@@ -202,13 +160,13 @@ def _stream(split: str, family: str, level: str, seed: int, count: int) -> list[
 
 def check_task(task: Task, ws: Workspace) -> CheckResult:
     """Run the task's checker on the final state of ``ws``."""
-    fam = _families()[task.metadata["family"]]
+    fam = FAMILIES[task.metadata["family"]]
     return CheckResult(tuple(fam.check(task.metadata["params"], ws)))
 
 
 def solve_task(task: Task) -> list[ToolCallSpec]:
     """The scripted solver's tool calls for ``task`` (the final answer not included)."""
-    fam = _families()[task.metadata["family"]]
+    fam = FAMILIES[task.metadata["family"]]
     return fam.solve(task.metadata["params"], task.metadata["files"])
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.workspace.families._common import WORDS, call, last_json_line
-from envs.workspace.tasks import TaskSpec, ToolCallSpec
+from envs.workspace.families.base import TaskSpec, ToolCallSpec
 from envs.workspace.workspace import Workspace
 
 _MODULES = ("utils", "helpers", "toolkit", "core", "mathx", "textkit", "calc", "ops")

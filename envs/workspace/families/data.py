@@ -17,7 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from envs.workspace.families._common import NAMES, WORDS, call, parse_json, parse_number
-from envs.workspace.tasks import TaskSpec, ToolCallSpec
+from envs.workspace.families.base import TaskSpec, ToolCallSpec
 from envs.workspace.workspace import Workspace
 
 REGIONS = ("north", "south", "east", "west", "central", "coast", "valley", "highlands")

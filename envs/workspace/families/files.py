@@ -13,7 +13,7 @@ import random
 from typing import Any
 
 from envs.workspace.families._common import WORDS, call, parse_json, phrase
-from envs.workspace.tasks import TaskSpec, ToolCallSpec
+from envs.workspace.families.base import TaskSpec, ToolCallSpec
 from envs.workspace.workspace import Workspace
 
 _FOLDERS = ("", "notes/", "docs/", "out/", "data/text/")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.workspace.families._common import call, last_json_line
-from envs.workspace.tasks import TaskSpec, ToolCallSpec
+from envs.workspace.families.base import TaskSpec, ToolCallSpec
 from envs.workspace.workspace import Workspace
 
 _PACKAGES = ("shop", "metrics", "textproc", "ledger", "inventory", "analytics", "billing")
