@@ -76,6 +76,7 @@ from algorithms.config import (
     GRPOConfig,
 )
 from algorithms.logprobs import forward_logprobs, token_logprobs
+from algorithms.lora import quiet_peft
 from algorithms.losses import compute_advantages, kl_estimate, policy_loss
 from algorithms.rewards import combine_rewards
 from algorithms.trainer import Trainer
@@ -145,7 +146,8 @@ class GRPO(Trainer):
             self.ref_model.to(self.accelerator.device)
         elif isinstance(model, PeftModel) and cfg.reference == "initial":
             active = model.active_adapter  # a warm-started adapter: freeze a copy of it
-            model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(model.peft_config[active]))
+            with quiet_peft():
+                model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(model.peft_config[active]))
             weights = get_peft_model_state_dict(model, adapter_name=active)
             set_peft_model_state_dict(model, weights, adapter_name=REFERENCE_ADAPTER)
             model.set_adapter(active)  # peft: the active adapter trains, the copy is frozen

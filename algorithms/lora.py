@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from agentenv.errors import InvalidOptionError
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Silence the one warning peft 0.21 gives whenever it wraps a model: it reads
+    ``is_gradient_checkpointing``, a property transformers 5.23 deprecated (a FutureWarning
+    nothing on our side or a user's can act on)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        yield
+
+
+def load_adapter(model: torch.nn.Module, folder: str | Path) -> PeftModel:
+    """``model`` with the LoRA adapter saved in ``folder``, trainable."""
+    with quiet_peft():
+        return PeftModel.from_pretrained(model, str(folder), is_trainable=True)
 
 
 def apply_lora(
@@ -60,10 +78,8 @@ def apply_lora(
         target_modules=list(target_modules),
         layers_to_transform=layers,
     )
-    with torch.random.fork_rng(), warnings.catch_warnings():
+    with torch.random.fork_rng(), quiet_peft():
         torch.manual_seed(seed)
-        # peft 0.21 reads a property transformers 5 deprecated; nothing to act on
-        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
         return _keep_input_dtype(get_peft_model(model, config))
 
 

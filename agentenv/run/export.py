@@ -108,10 +108,10 @@ def load_from_checkpoint(model: torch.nn.Module, folder: str | Path) -> torch.nn
     checkpoint (``folder/model``) is loaded into ``model`` in place.
     """
     folder = Path(folder)
-    from peft import PeftModel
-
     if (folder / "adapter").is_dir():
-        return PeftModel.from_pretrained(model, str(folder / "adapter"), is_trainable=True)
+        from algorithms.lora import load_adapter
+
+        return load_adapter(model, folder / "adapter")
     if (folder / "model").is_dir():
         from algorithms.checkpoint import load_model_weights
 

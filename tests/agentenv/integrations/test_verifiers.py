@@ -8,7 +8,6 @@ is the env's.
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -22,6 +21,7 @@ pytest.importorskip(
 
 import verifiers.v1 as vf  # noqa: E402
 from memorized import memorize  # noqa: E402
+from scripts import console_script  # noqa: E402
 
 from agentenv import make  # noqa: E402
 from agentenv.integrations import task_rows  # noqa: E402
@@ -66,8 +66,9 @@ def served_model(tokenizer, tmp_path_factory):
     """``transformers serve`` on a free local port with a model that solves test task 0."""
     from agentenv.rollout.episode import ChatFormat
 
-    if shutil.which("transformers") is None:
-        pytest.skip("the `transformers` command is not on PATH")
+    exe = console_script("transformers")
+    if exe is None:
+        pytest.skip("the `transformers` command is not installed (beside python or on PATH)")
     try:
         import fastapi  # noqa: F401
     except ImportError:
@@ -90,7 +91,7 @@ def served_model(tokenizer, tmp_path_factory):
     tokenizer.save_pretrained(folder)
     port = _free_port()
     log = open(folder.parent / "serve.log", "w")  # noqa: SIM115 - closed below
-    command = ["transformers", "serve", str(folder), "--device", "cpu"]
+    command = [exe, "serve", str(folder), "--device", "cpu"]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(
         command,

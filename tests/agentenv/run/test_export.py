@@ -96,3 +96,22 @@ def test_eval_adapter_loads_the_adapters_own_base(checkpoint, tiny_model_dir, tm
     config["base_model_name_or_path"] = str(tmp_path / "gone")  # the base folder is gone
     (moved / "adapter" / "adapter_config.json").write_text(json.dumps(config))
     assert base_model_for(moved, models.DEFAULT_MODEL) == models.DEFAULT_MODEL
+
+
+def test_loading_an_adapter_checkpoint_prints_no_library_warning(tmp_path):
+    """What `agentenv train --init-from` does (the quickstart's GRPO after SFT): peft's
+    deprecation warning from transformers stays out of the user's output."""
+    import warnings
+
+    from agentenv.lm.models import load_tokenizer, tiny_model
+    from agentenv.run.export import load_from_checkpoint
+    from algorithms.lora import apply_lora
+
+    tokenizer = load_tokenizer()
+    apply_lora(tiny_model(tokenizer), 4, 8, 0.0, ["q_proj"], seed=0).save_pretrained(
+        tmp_path / "ckpt" / "adapter"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        model = load_from_checkpoint(tiny_model(tokenizer), tmp_path / "ckpt")
+    assert any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)

@@ -267,13 +267,14 @@ def test_documents_without_text_never_reach_an_index():
 @pytest.fixture
 def chroma_server(tmp_path):
     """A real local Chroma server (the `chroma` CLI of the chromadb package) on a free port."""
-    import shutil
     import subprocess
     import urllib.request
 
-    exe = shutil.which("chroma")
+    from scripts import console_script
+
+    exe = console_script("chroma")
     if exe is None:
-        pytest.skip("the chroma CLI is not installed")
+        pytest.skip("the chroma CLI is not installed (beside python or on PATH)")
     port = _closed_port()
     log = (tmp_path / "chroma.log").open("w")
     proc = subprocess.Popen(
