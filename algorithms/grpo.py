@@ -78,7 +78,7 @@ from algorithms.config import (
 from algorithms.logprobs import forward_logprobs, token_logprobs
 from algorithms.lora import quiet_peft
 from algorithms.losses import compute_advantages, kl_estimate, policy_loss
-from algorithms.rewards import combine_rewards
+from algorithms.rewards import episode_rewards
 from algorithms.trainer import Trainer
 
 _CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -234,7 +234,9 @@ class GRPO(Trainer):
         episodes = self._flatten(groups)
         g = len(groups[0])
         env_rewards = torch.tensor([[float(ep.reward) for ep in group] for group in groups])
-        rewards, component_stats = self._rewards(episodes, env_rewards)  # (B, G)
+        rewards, component_stats = episode_rewards(  # (B, G)
+            episodes, env_rewards, cfg.reward_combination, lambda v: self._global(v, "sum")
+        )
         group_baseline = cfg.advantage_baseline != "global_mean"
         zero_std = (rewards == rewards[:, :1]).all(dim=1)  # (B,)
         keep = [  # zero-variance groups carry no gradient under a group baseline
@@ -351,39 +353,6 @@ class GRPO(Trainer):
             "completion_length": length,
         }
         return batches, totals, rows
-
-    def _rewards(
-        self, episodes: list[EpisodeLike], env_rewards: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The rewards advantages start from ``(B, G)``, and each component's batch mean.
-
-        ``weighted`` keeps the env's rewards; other combinations combine the episodes'
-        ``info["reward_components"]`` over the global batch (missing components count 0;
-        an env that reports none has one component, its reward).
-        """
-        from accelerate.utils import gather_object
-
-        method = self.config.reward_combination
-        found = [getattr(ep, "info", {}).get("reward_components") or {} for ep in episodes]
-        names = sorted({n for names in gather_object([sorted(c) for c in found]) for n in names})
-        if not names:
-            if method == "weighted":
-                return env_rewards, {}
-            names, found = ["reward"], [{"reward": float(ep.reward)} for ep in episodes]
-        x = torch.tensor([[float(c.get(n, 0.0)) for n in names] for c in found])  # (N, K)
-        x = x.double()
-        k = len(names)
-        sums = self._global([*x.sum(0).tolist(), *(x.T @ x).flatten().tolist(), len(x)], "sum")
-        n = sums[-1]
-        mean = torch.tensor(sums[:k], dtype=torch.float64) / n  # (K,)
-        cov = torch.tensor(sums[k:-1], dtype=torch.float64).view(k, k) / n - torch.outer(mean, mean)
-        stats = {
-            f"rewards/components/{name}": m for name, m in zip(names, mean.tolist(), strict=True)
-        }
-        if method == "weighted":
-            return env_rewards, stats
-        combined = combine_rewards(x, method, mean=mean, cov=cov)  # (N,)
-        return combined.float().view_as(env_rewards), stats
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """``compute_advantages`` with this config; global_mean's stats over every process."""

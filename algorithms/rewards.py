@@ -21,6 +21,9 @@ statistics of the global batch (sums reduced over processes) and combine identic
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
 from agentenv.errors import InvalidOptionError
@@ -78,3 +81,38 @@ def combine_rewards(
     if v @ cov.sum(-1) < 0:  # cov(score, sum of components) = v . C 1
         v = -v
     return (x - mean) @ v
+
+
+def episode_rewards(
+    episodes: Sequence[Any],
+    env_rewards: torch.Tensor,
+    method: str,
+    global_sum: Callable[[list[float]], list[float]],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rewards advantages start from (shaped like ``env_rewards``, ``(B, G)``), and
+    each component's batch mean (``rewards/components/<name>``).
+
+    ``weighted`` keeps the env's rewards; the other methods combine the episodes'
+    ``info["reward_components"]`` over the global batch (missing components count 0; an
+    env that reports none has one component, its reward). ``global_sum`` sums a list of
+    floats over every process (the identity for one process).
+    """
+    from accelerate.utils import gather_object
+
+    found = [getattr(ep, "info", {}).get("reward_components") or {} for ep in episodes]
+    names = sorted({n for names in gather_object([sorted(c) for c in found]) for n in names})
+    if not names:
+        if method == "weighted":
+            return env_rewards, {}
+        names, found = ["reward"], [{"reward": float(ep.reward)} for ep in episodes]
+    x = torch.tensor([[float(c.get(n, 0.0)) for n in names] for c in found]).double()  # (N, K)
+    k = len(names)
+    sums = global_sum([*x.sum(0).tolist(), *(x.T @ x).flatten().tolist(), len(x)])
+    n = sums[-1]
+    mean = torch.tensor(sums[:k], dtype=torch.float64) / n  # (K,)
+    cov = torch.tensor(sums[k:-1], dtype=torch.float64).view(k, k) / n - torch.outer(mean, mean)
+    stats = {f"rewards/components/{name}": m for name, m in zip(names, mean.tolist(), strict=True)}
+    if method == "weighted":
+        return env_rewards, stats
+    combined = combine_rewards(x, method, mean=mean, cov=cov)  # (N,)
+    return combined.float().view_as(env_rewards), stats
