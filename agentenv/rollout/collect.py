@@ -3,7 +3,9 @@
 Each turn, one batched ``generate`` call (KV cache on, left padding) serves every
 unfinished trajectory of the batch; then their environment steps run concurrently
 in a thread pool (tool timeouts apply inside each env). A trajectory stops at
-``terminated``, ``truncated``, ``max_turns`` or when its token budget is spent.
+``terminated``, ``truncated``, ``max_turns`` or when its token budget is spent. An env
+step that raises ends only its own episode (``stop_reason="env_error"``, the error in
+``info["env_error"]``, counted in ``rollout/env_errors``); the rest of the batch goes on.
 
 Policies are pluggable (:class:`~agentenv.lm.engine.PolicyBackend`);
 :class:`~agentenv.lm.sampler.TransformersPolicy` runs a local Hugging Face model and
@@ -91,6 +93,7 @@ def collect(
         stops = list(getattr(env, "stop_strings", None) or [])
         sampling = dataclasses.replace(sampling, stop_strings=stops)
     gen_s = env_s = 0.0
+    env_errors = 0
     bar = tqdm(total=len(trajs), desc="rollout", disable=not config.show_progress, leave=False)
     with ThreadPoolExecutor(max_workers=config.env_workers) as pool:
         for turn in range(config.max_turns):
@@ -115,10 +118,16 @@ def collect(
             t1 = time.perf_counter()
             for t, g in zip(active, gens, strict=True):
                 t.builder.add_policy(g.token_ids, g.sampler_logprobs, g.text)
-            results = list(pool.map(lambda t, g: t.env.step(g.text), active, gens))
+            results = list(pool.map(lambda t, g: _step(t.env, g.text), active, gens))
             env_s += time.perf_counter() - t1
             gen_s += t1 - t0
-            for t, (obs, reward, terminated, truncated, info) in zip(active, results, strict=True):
+            for t, result in zip(active, results, strict=True):
+                if isinstance(result, str):  # the env raised: this episode ends here
+                    t.info = {**t.info, "env_error": result}
+                    env_errors += 1
+                    _finish(t, "env_error", bar)
+                    continue
+                obs, reward, terminated, truncated, info = result
                 t.reward += float(reward)
                 t.info = info
                 if terminated or truncated:
@@ -147,8 +156,21 @@ def collect(
         "rollout/env_s": env_s,
         "rollout/total_s": time.perf_counter() - start,
         "rollout/tokens": float(tokens),
+        "rollout/env_errors": float(env_errors),
     }
     return groups, metrics
+
+
+def _step(env: gym.Env, action: str) -> tuple[Any, ...] | str:
+    """``env.step(action)``, or the error it raised as ``"Type: message"``.
+
+    A bug or an outage in one env instance (a crashed tool server, a malformed task) ends
+    that episode instead of the whole batch. ``KeyboardInterrupt`` still stops the run.
+    """
+    try:
+        return env.step(action)
+    except Exception as exc:  # noqa: BLE001 - any env failure ends only its own episode
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _finish(t: _Trajectory, reason: str, bar: Any) -> None:

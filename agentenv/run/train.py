@@ -215,7 +215,9 @@ def train(
             train_env, seeds, policy, fmt, rollout, sample_seed=sampling_seed(config.seed, step)
         )
         models.release_memory()
+        t_learn = time.perf_counter()
         metrics.update(algo.learn(groups))
+        metrics["time/learn_s"] = time.perf_counter() - t_learn
         models.release_memory()
         metrics.update(_episode_stats(groups))
         done = step + 1

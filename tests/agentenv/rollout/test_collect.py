@@ -1,3 +1,4 @@
+import gymnasium as gym
 import pytest
 import torch
 from transformers import TopKLogitsWarper, TopPLogitsWarper
@@ -56,9 +57,48 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer):
         "rollout/env_s",
         "rollout/total_s",
         "rollout/tokens",
+        "rollout/env_errors",
     }
+    assert metrics["rollout/env_errors"] == 0
     assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes)
     assert all(e.stop_reason == "max_turns" and e.num_turns == 2 for e in episodes)
+
+
+class FlakyEnv(gym.Wrapper):
+    """Raises on its second step when ``bad``."""
+
+    def __init__(self, env, bad: bool):
+        super().__init__(env)
+        self.bad, self.steps = bad, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.bad and self.steps == 2:
+            raise ConnectionError("tool server went away")
+        return self.env.step(action)
+
+
+def test_an_env_that_raises_ends_only_its_own_episode(tiny_model, tokenizer):
+    made = []
+
+    def make_flaky():
+        made.append(None)
+        return FlakyEnv(make_env(), bad=len(made) == 2)  # group 0, member 1
+
+    config = RolloutConfig(
+        group_size=3, max_turns=3, sampling=SamplingConfig(max_new_tokens=8), show_progress=False
+    )
+    policy = RecordingPolicy(tiny_model, tokenizer, dtype="float32")
+    groups, metrics = collect(make_flaky, [4, 9], policy, ChatFormat(tokenizer), config)
+    episodes = [e for g in groups for e in g]
+    assert metrics["rollout/env_errors"] == 1
+    bad = groups[0][1]
+    assert bad.stop_reason == "env_error" and bad.num_turns == 2
+    assert bad.info["env_error"] == "ConnectionError: tool server went away"
+    assert bad.reward == 0.0 and bad.action_mask[-1] == 1  # ends on its last policy turn
+    others = [e for e in episodes if e is not bad]
+    assert all(e.stop_reason == "max_turns" and e.num_turns == 3 for e in others)
+    assert all("env_error" not in e.info for e in others)
 
 
 def test_sampler_logprobs_match_a_forward_pass(tiny_model, tokenizer):

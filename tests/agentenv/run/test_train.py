@@ -56,6 +56,8 @@ def test_two_step_run_writes_every_artifact(tiny_model_dir, tmp_path, capsys):
         "episodes/correct_rate",
         "tokens_per_second",
         "time/step_s",
+        "time/learn_s",
+        "rollout/env_errors",
         "clip_ratio/high_mean",
     ):
         assert key in step_row
