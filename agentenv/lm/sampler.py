@@ -34,15 +34,16 @@ On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at about 2.7x the tok/s 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import append_cache, cached_forward, wants_grouped
 from agentenv.lm.attention import register as register_grouped_attention
+from agentenv.lm.decoding import Decoder, drain, plain_layers
 from agentenv.lm.engine import Generation, SamplingConfig
 from agentenv.lm.precision import resolve_dtype
 from agentenv.lm.weights import sampling_copy, sync_weights, trainable_version
@@ -112,7 +113,7 @@ class TransformersPolicy:
         """Drop the KV caches kept for continuations (``collect`` calls it after a batch)."""
         self._saved = {}
 
-    def _may_end(self, token: int, finals: frozenset[str] | None) -> bool:
+    def may_end(self, token: int, finals: frozenset[str] | None) -> bool:
         """False if ``token`` cannot complete a stop string: its own text has none of the
         stop strings' last characters ``finals`` (None: always check). Saves decoding a
         window of the turn for most tokens."""
@@ -153,21 +154,40 @@ class TransformersPolicy:
                 f"seeds must give one seed per prompt: {len(seeds)} seeds, {len(prompts)} prompts"
             )
         self.refresh()
+        decoder = Decoder(self, sampling, keep_saved=False)
+        for i, prompt in enumerate(prompts):
+            decoder.add(i, prompt, seed=None if seeds is None else seeds[i])
+        out: list[Generation | None] = [None] * len(prompts)
+        for i, generation in drain(decoder):
+            out[i] = generation
+        return out  # type: ignore[return-value]
+
+    def decoder(self, sampling: SamplingConfig) -> Decoder:
+        """A running batch for the rollout engine: rows are added at any time and leave
+        when their turn ends (:class:`~agentenv.lm.decoding.Decoder`). Saved KV caches
+        stay until :meth:`clear_cache`."""
+        self.refresh()
+        return Decoder(self, sampling, keep_saved=True)
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """While decoding: grouped attention where it pays (see :mod:`agentenv.lm.attention`)
+        and a contiguous LM-head input."""
         config = self.model.config
         attention = config._attn_implementation
-        if wants_grouped(self.model, self.dtype):  # see agentenv.lm.attention
+        if wants_grouped(self.model, self.dtype):
             config._attn_implementation = register_grouped_attention()
         head = self.model.get_output_embeddings()
         hook = head.register_forward_pre_hook(_contiguous_input) if head is not None else None
         try:
-            return self._generate(prompts, sampling, seeds)
+            yield
         finally:
             config._attn_implementation = attention
             if hook is not None:
                 hook.remove()
 
-    def _prefill(
-        self, prompts: Sequence[Sequence[int]]
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], *, keep_saved: bool = False
     ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run every prompt through the model; return the KV cache, the attention mask
         ``(n, L)`` over its slots, the next-token logits ``(n, V)`` and next positions ``(n,)``.
@@ -177,6 +197,7 @@ class TransformersPolicy:
         next turn) continues from that sequence's saved KV cache; otherwise the prefix
         common to all prompts runs once. Each row's tokens sit right-aligned after a masked
         gap, with positions counted by the mask, so every row sees exactly its own prompt.
+        Saved caches this call does not continue are dropped unless ``keep_saved``.
         """
         model, dev = self.model, self.device
         unique: dict[tuple[int, ...], int] = {}
@@ -184,7 +205,12 @@ class TransformersPolicy:
         firsts = list(unique)
         u = len(firsts)
         reused = [self._lookup(p) for p in firsts]
-        self._saved = {}
+        if keep_saved:
+            for r in reused:
+                if r is not None:
+                    self._saved.pop(r[0], None)
+        else:
+            self._saved = {}
         cache, done = None, [0] * u  # done[i]: tokens of prompt i already in the cache
         mask = torch.ones((u, 0), dtype=torch.long)
         if any(r is not None for r in reused):
@@ -233,90 +259,14 @@ class TransformersPolicy:
                     best = (key, layers)
         return best
 
-    def _save(self, cache: Any, j: int, mask: torch.Tensor, key: tuple[int, ...]) -> None:
+    def save(self, cache: Any, j: int, mask: torch.Tensor, key: tuple[int, ...]) -> None:
         """Keep row ``j``'s KV cache (its real slots only) for a continuation of ``key``."""
-        if not self.reuse_cache or not _plain_layers(cache):
+        if not self.reuse_cache or not plain_layers(cache):
             return
         real = mask.bool().to(self.device)
         layers = [(layer.keys[j][:, real], layer.values[j][:, real]) for layer in cache.layers]
         if layers and layers[0][0].shape[1] == len(key):
             self._saved[key] = layers
-
-    def _generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        seeds: Sequence[int] | None,
-    ) -> list[Generation]:
-        model, dev = self.model, self.device
-        n = len(prompts)
-        generators = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
-        cache, mask, logits, next_pos = self._prefill(prompts)
-        warpers = _warpers(sampling)
-        stops = set(self.stop_token_ids)
-        stop_strings = list(sampling.stop_strings or [])
-        # Stop strings ending in whitespace or a non-ASCII character are always checked:
-        # a token's text alone may drop a leading space, or hold part of a character.
-        finals: frozenset[str] | None = frozenset(s[-1] for s in stop_strings)
-        if any(not c.isascii() or c.isspace() for c in finals):
-            finals = None
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        reasons = ["length"] * n
-        rows = list(range(n))  # prompt index of each row still in the batch
-
-        def save(j: int) -> None:
-            i = rows[j]
-            self._save(cache, j, mask[j], tuple(prompts[i]) + tuple(tokens[i][:-1]))
-
-        for step in range(sampling.max_new_tokens):
-            rngs = None if generators is None else [generators[i] for i in rows]
-            token, logp = _sample(logits, sampling.temperature, warpers, rngs)  # (r,), (r,)
-            keep = []
-            for j, (t, lp) in enumerate(zip(token.tolist(), logp.tolist(), strict=True)):
-                i = rows[j]
-                tokens[i].append(t)
-                logps[i].append(lp)
-                if t in stops:
-                    reasons[i] = "stop"
-                elif (
-                    stop_strings
-                    and self._may_end(t, finals)
-                    and _has_stop(self.tokenizer, tokens[i], stop_strings)
-                ):
-                    reasons[i] = "stop_string"
-                else:
-                    keep.append(j)
-            if not keep or step == sampling.max_new_tokens - 1:
-                for j in range(len(rows)):
-                    save(j)
-                break
-            if len(keep) < len(rows):  # drop finished rows and their cache
-                for j in sorted(set(range(len(rows))) - set(keep)):
-                    save(j)
-                index = torch.tensor(keep)
-                cache.batch_select_indices(index.to(dev))
-                mask, next_pos, token = mask[index], next_pos[index], token[index]
-                rows = [rows[j] for j in keep]
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-            logits, cache = cached_forward(
-                model,
-                cache,
-                input_ids=token[:, None].to(dev),
-                attention_mask=mask.to(dev),
-                position_ids=next_pos[:, None].to(dev),
-            )
-            logits = logits[:, -1]
-            next_pos = next_pos + 1
-        return [
-            Generation(
-                tokens[i],
-                logps[i],
-                self.tokenizer.decode(tokens[i], skip_special_tokens=True),
-                reasons[i],
-            )
-            for i in range(n)
-        ]
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -328,13 +278,6 @@ def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[A
     1.6 s for a 32-row prefill of SmolLM2 in bfloat16 on the CPU, instead of a 2 MB copy.
     """
     return (args[0].contiguous(), *args[1:])
-
-
-def _plain_layers(cache: Any) -> bool:
-    """True for a cache of full-attention ``DynamicLayer`` s (what continuation supports)."""
-    layers = getattr(cache, "layers", None)
-    plain = ("DynamicLayer", "AppendCacheLayer")
-    return bool(layers) and all(type(layer).__name__ in plain for layer in layers)
 
 
 def _cache_from(
@@ -372,55 +315,3 @@ def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
             k += 1
         length = k
     return length
-
-
-def _warpers(sampling: SamplingConfig) -> list[Any]:
-    warpers = []
-    if sampling.top_k > 0:
-        warpers.append(TopKLogitsWarper(sampling.top_k))
-    if sampling.top_p < 1:
-        warpers.append(TopPLogitsWarper(sampling.top_p))
-    return warpers
-
-
-def _sample(
-    logits: torch.Tensor,
-    temperature: float,
-    warpers: list[Any],
-    generators: list[torch.Generator] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``logits`` (r, V); return it and its log-prob, on the CPU.
-
-    The log-prob is taken under the distribution sampled from: logits / temperature, then
-    top-k, then top-p, in float32. Greedy decoding (temperature 0) takes the argmax and
-    records its log-prob at temperature 1. With ``generators`` (CPU, one per row), row
-    ``j`` draws from ``generators[j]`` instead of the global RNG.
-    """
-    scores = logits.float() / (temperature or 1.0)  # (r, V)
-    for warp in warpers:
-        scores = warp(None, scores)
-    logp = torch.log_softmax(scores, dim=-1)  # (r, V)
-    if temperature > 0:  # inverse-CDF draw: torch.multinomial spends ~8 ms/step on CPU RNG
-        cdf = logp.double().exp().cumsum(dim=-1)  # (r, V), float64: no drift over the vocab
-        if generators is None:
-            u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device)
-        else:
-            u = torch.cat([torch.rand(1, 1, dtype=torch.float64, generator=g) for g in generators])
-        u = 1 - u.to(cdf.device)  # (r, 1) in (0, 1]
-        u = u * cdf[:, -1:]  # first index with cdf >= u > 0: never a zero-probability token
-        token = torch.searchsorted(cdf, u).squeeze(1).clamp(max=cdf.shape[1] - 1)  # (r,)
-    else:
-        token = scores.argmax(dim=-1)
-    return token.cpu(), logp.gather(1, token[:, None]).squeeze(1).cpu()
-
-
-def _has_stop(tokenizer: Any, ids: list[int], stop_strings: list[str]) -> bool:
-    """True if a stop string ends in the text of the newest token of ``ids``.
-
-    Called as each token arrives, so an earlier match was already caught: only the last
-    ``len(longest stop) + 1`` tokens (each decodes to at least one character) are decoded,
-    not the whole turn at every step.
-    """
-    window = max(len(s) for s in stop_strings) + 1
-    text = tokenizer.decode(ids[-window:], skip_special_tokens=False)
-    return any(s in text for s in stop_strings)

@@ -1,26 +1,35 @@
-"""Collect groups of episodes: G isolated env instances per task, batched generation.
+"""Collect groups of episodes: G isolated env instances per task, every episode on its own.
 
-Each turn, one batched ``generate`` call (KV cache on, left padding) serves every
-unfinished trajectory of the batch; then their environment steps run concurrently
-in a thread pool (tool timeouts apply inside each env). A trajectory stops at
-``terminated``, ``truncated``, ``max_turns`` or when its token budget is spent. An env
-step that raises ends only its own episode (``stop_reason="env_error"``, the error in
-``info["env_error"]``, counted in ``rollout/env_errors``); the rest of the batch goes on.
+Each episode advances by itself: its turn is generated, its env steps in a thread pool
+(off the generation thread, so other episodes keep decoding meanwhile), the observation
+is appended, and its next turn joins the running batch at the next decode step, its KV
+cache continued. With a policy that can decode a running batch
+(:meth:`~agentenv.lm.sampler.TransformersPolicy.decoder`), rows join and leave between
+decode steps, up to ``max_concurrency`` at once (continuous batching); any other
+:class:`~agentenv.lm.engine.PolicyBackend` gets one ``generate`` call for the episodes
+waiting whenever no env step is running. A trajectory stops at ``terminated``,
+``truncated``, ``max_turns``, when its token budget is spent, or when its wall-clock
+limit passes (``timeout``). An env step that raises ends only its own episode
+(``stop_reason="env_error"``, the error in ``info["env_error"]``).
 
-Policies are pluggable (:class:`~agentenv.lm.engine.PolicyBackend`);
-:class:`~agentenv.lm.sampler.TransformersPolicy` runs a local Hugging Face model and
-records the log-prob of every sampled token under the exact distribution it was
-sampled from (after temperature / top-k / top-p). A turn ends at a stop token or, unless
-the sampling config says otherwise, at one of the env's ``stop_strings``.
+A policy turn draws from the seed of (``sample_seed``, task seed, member, turn) and
+takes at most ``min(max_new_tokens, the episode's own room)`` tokens, so an episode's
+tokens do not depend on which other episodes share a batch, nor on timing.
+
+:class:`~agentenv.lm.sampler.TransformersPolicy` records the log-prob of every sampled
+token under the exact distribution it was sampled from (after temperature / top-k /
+top-p). A turn ends at a stop token or, unless the sampling config says otherwise, at
+one of the env's ``stop_strings``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +48,8 @@ class _Trajectory:
     group: int
     seed: int
     member: int  # index in its group
+    turns: int = 0  # policy turns taken
+    abandoned: Future | None = None  # an env step left running past the time limit
     done: bool = False
     reward: float = 0.0
     stop_reason: str = ""
@@ -75,8 +86,12 @@ def collect(
             episodes share its batch or process. None: the policy's global RNG.
 
     Returns:
-        The groups (``groups[b]`` has G episodes of task ``b``) and timing metrics:
-        ``rollout/generate_s``, ``rollout/env_s``, ``rollout/total_s``, ``rollout/tokens``.
+        The groups (``groups[b]`` has G episodes of task ``b``) and metrics:
+        ``rollout/generate_s`` (decoding), ``rollout/env_s`` (env steps, summed; they
+        overlap decoding), ``rollout/env_wait_s`` (the env time not hidden: nothing was
+        left to decode), ``rollout/total_s``, ``rollout/tokens`` (policy tokens),
+        ``rollout/tokens_per_s`` (in the loop), ``rollout/rows_mean`` (rows per decode
+        step) and ``rollout/env_errors``.
     """
     start = time.perf_counter()
     options = list(options) if options is not None else [None] * len(seeds)
@@ -92,39 +107,90 @@ def collect(
         env = trajs[0].env.unwrapped if trajs else None
         stops = list(getattr(env, "stop_strings", None) or [])
         sampling = dataclasses.replace(sampling, stop_strings=stops)
-    gen_s = env_s = 0.0
-    env_errors = 0
+    clock = _Clock()
     bar = tqdm(total=len(trajs), desc="rollout", disable=not config.show_progress, leave=False)
-    with ThreadPoolExecutor(max_workers=config.env_workers) as pool:
-        for turn in range(config.max_turns):
-            active = [t for t in trajs if not t.done]
-            for t in active:  # budget: stop those with no room for a turn
-                if t.builder.room < 1:
-                    _finish(t, "max_tokens", bar)
-            active = [t for t in active if not t.done]
-            if not active:
-                break
-            t0 = time.perf_counter()
-            budget = min(t.builder.room for t in active)
-            turn_sampling = sampling
-            if budget < sampling.max_new_tokens:
-                turn_sampling = dataclasses.replace(sampling, max_new_tokens=budget)
-            prompts = [t.builder.input_ids for t in active]
-            if sample_seed is None:
-                gens = policy.generate(prompts, turn_sampling)
-            else:
-                turn_seeds = [trajectory_seed(sample_seed, t.seed, t.member, turn) for t in active]
-                gens = policy.generate(prompts, turn_sampling, seeds=turn_seeds)
-            t1 = time.perf_counter()
-            for t, g in zip(active, gens, strict=True):
-                t.builder.add_policy(g.token_ids, g.sampler_logprobs, g.text)
-            results = list(pool.map(lambda t, g: _step(t.env, g.text), active, gens))
-            env_s += time.perf_counter() - t1
-            gen_s += t1 - t0
-            for t, result in zip(active, results, strict=True):
+    ready: collections.deque[_Trajectory] = collections.deque(trajs)  # waiting for a turn
+    stepping: dict[Future, _Trajectory] = {}  # env steps in the pool
+    decoder = policy.decoder(sampling) if hasattr(policy, "decoder") else None
+    deadline = (
+        {id(t): start + config.episode_timeout_s for t in trajs} if config.episode_timeout_s else {}
+    )
+
+    def turn_ready(t: _Trajectory) -> bool:
+        """Finish ``t`` if it may not take another turn; else whether it may."""
+        if deadline and time.perf_counter() > deadline[id(t)]:
+            _finish(t, "timeout", bar)
+        elif t.builder.room < 1:
+            _finish(t, "max_tokens", bar)
+        return not t.done
+
+    def seed_of(t: _Trajectory) -> int | None:
+        return (
+            None if sample_seed is None else trajectory_seed(sample_seed, t.seed, t.member, t.turns)
+        )
+
+    def policy_turn(t: _Trajectory, g: Generation) -> None:
+        t.builder.add_policy(g.token_ids, g.sampler_logprobs, g.text)
+        t.turns += 1
+        stepping[pool.submit(_timed_step, t.env, g.text)] = t
+
+    pool = ThreadPoolExecutor(max_workers=config.env_workers)
+    try:
+        while ready or stepping or (decoder is not None and len(decoder)):
+            if decoder is not None:
+                while ready and len(decoder) < config.max_concurrency:
+                    t = ready.popleft()
+                    if turn_ready(t):
+                        room = min(sampling.max_new_tokens, t.builder.room)
+                        decoder.add(t, t.builder.input_ids, seed=seed_of(t), max_new_tokens=room)
+                if len(decoder):
+                    t0 = time.perf_counter()
+                    rows = len(decoder)
+                    ended = decoder.step()
+                    clock.decode(time.perf_counter() - t0, rows)
+                    for t, g in ended:
+                        policy_turn(t, g)
+            elif ready and not stepping:  # a plain backend: all waiting episodes at once
+                batch = [t for t in ready if turn_ready(t)][: config.max_concurrency]
+                for t in batch:
+                    ready.remove(t)
+                ready = collections.deque(t for t in ready if not t.done)
+                if batch:
+                    budget = min(sampling.max_new_tokens, *(t.builder.room for t in batch))
+                    turn = dataclasses.replace(sampling, max_new_tokens=budget)
+                    prompts = [t.builder.input_ids for t in batch]
+                    seeds_ = [seed_of(t) for t in batch]
+                    t0 = time.perf_counter()
+                    if sample_seed is None:
+                        gens = policy.generate(prompts, turn)
+                    else:
+                        gens = policy.generate(prompts, turn, seeds=seeds_)
+                    clock.decode(time.perf_counter() - t0, len(batch))
+                    for t, g in zip(batch, gens, strict=True):
+                        policy_turn(t, g)
+            decoding = decoder is not None and len(decoder) > 0
+            done = [f for f in stepping if f.done()]
+            if not done and stepping and not decoding and not (ready and decoder is not None):
+                t0 = time.perf_counter()  # nothing to decode: wait for an env
+                limit = None
+                if deadline:
+                    limit = max(0.0, min(deadline[id(t)] for t in stepping.values()) - t0)
+                done = list(wait(stepping, timeout=limit, return_when=FIRST_COMPLETED).done)
+                clock.env_wait_s += time.perf_counter() - t0
+                if not done:  # an episode's wall-clock limit passed inside its env step
+                    now = time.perf_counter()
+                    for f, t in list(stepping.items()):
+                        if now > deadline[id(t)]:
+                            del stepping[f]
+                            _finish(t, "timeout", bar)
+                            t.abandoned = f  # its env closes once the step returns
+            for f in done:
+                t = stepping.pop(f)
+                result, seconds = f.result()
+                clock.env_s += seconds
                 if isinstance(result, str):  # the env raised: this episode ends here
                     t.info = {**t.info, "env_error": result}
-                    env_errors += 1
+                    clock.env_errors += 1
                     _finish(t, "env_error", bar)
                     continue
                 obs, reward, terminated, truncated, info = result
@@ -132,17 +198,24 @@ def collect(
                 t.info = info
                 if terminated or truncated:
                     _finish(t, "terminated" if terminated else "truncated", bar)
-                elif turn == config.max_turns - 1:
+                elif t.turns >= config.max_turns:
                     _finish(t, "max_turns", bar)
                 elif not t.builder.add_env(obs):
                     _finish(t, "max_tokens", bar)
+                else:
+                    ready.append(t)
+    finally:  # a step left running past its time limit is not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
     bar.close()
     if hasattr(policy, "clear_cache"):  # no episode of this batch will be continued
         policy.clear_cache()
     for t in trajs:
         if not t.done:
             _finish(t, "max_turns", bar)
-        t.env.close()
+        if t.abandoned is None:
+            t.env.close()
+        else:  # still inside a step past its time limit: close it when the step returns
+            t.abandoned.add_done_callback(lambda _, env=t.env: env.close())
     groups: list[list[Episode]] = [[] for _ in seeds]
     for t in trajs:
         groups[t.group].append(
@@ -152,13 +225,39 @@ def collect(
         )
     tokens = sum(e.num_policy_tokens for g in groups for e in g)
     metrics = {
-        "rollout/generate_s": gen_s,
-        "rollout/env_s": env_s,
+        "rollout/generate_s": clock.generate_s,
+        "rollout/env_s": clock.env_s,
+        "rollout/env_wait_s": clock.env_wait_s,
         "rollout/total_s": time.perf_counter() - start,
         "rollout/tokens": float(tokens),
-        "rollout/env_errors": float(env_errors),
+        "rollout/tokens_per_s": tokens / clock.generate_s if clock.generate_s else 0.0,
+        "rollout/rows_mean": clock.rows / clock.steps if clock.steps else 0.0,
+        "rollout/env_errors": float(clock.env_errors),
     }
     return groups, metrics
+
+
+@dataclass
+class _Clock:
+    """Where a collection's time went."""
+
+    generate_s: float = 0.0  # in decode steps / generate calls
+    env_s: float = 0.0  # summed over env steps (they overlap each other and generation)
+    env_wait_s: float = 0.0  # the loop had nothing to decode and waited for an env
+    steps: int = 0  # decode steps (generate calls for a plain backend)
+    rows: int = 0  # rows summed over them
+    env_errors: int = 0
+
+    def decode(self, seconds: float, rows: int) -> None:
+        self.generate_s += seconds
+        self.steps += 1
+        self.rows += rows
+
+
+def _timed_step(env: gym.Env, action: str) -> tuple[tuple[Any, ...] | str, float]:
+    t0 = time.perf_counter()
+    result = _step(env, action)
+    return result, time.perf_counter() - t0
 
 
 def _step(env: gym.Env, action: str) -> tuple[Any, ...] | str:

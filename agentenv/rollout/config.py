@@ -18,9 +18,25 @@ class RolloutConfig:
     max_episode_tokens: int = option(2048, "Token budget per episode (prompt + all turns).")
     sampling: SamplingConfig = option(SamplingConfig(), "Per-turn sampling settings (section).")
     env_workers: int = option(8, "Threads stepping environments concurrently.")
+    max_concurrency: int = option(
+        64,
+        "Most episodes decoding at once (rows of the running batch); the others wait. "
+        "On a CPU a decode step's tok/s grows with its rows up to about 64.",
+    )
+    episode_timeout_s: float | None = option(
+        None,
+        "Wall-clock limit of an episode from the start of the collection; past it the "
+        "episode ends (stop_reason 'timeout') at its next turn or inside a slow env step. "
+        "None: no limit.",
+    )
     show_progress: bool = option(True, "Show a progress bar over the batch.")
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "max_turns", "max_episode_tokens", "env_workers"):
+        names = ("group_size", "max_turns", "max_episode_tokens", "env_workers", "max_concurrency")
+        for name in names:
             if getattr(self, name) < 1:
                 raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.episode_timeout_s is not None and self.episode_timeout_s <= 0:
+            raise InvalidOptionError(
+                f"episode_timeout_s must be > 0 or None (no limit), got {self.episode_timeout_s}"
+            )

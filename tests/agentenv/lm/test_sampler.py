@@ -347,7 +347,7 @@ def test_bf16_sampler_logprobs_stay_close_to_the_float32_trainer(tiny_model, tok
 
 def test_sampler_draws_from_the_warped_distribution():
     """Frequencies follow softmax(logits / T) after top-k; cut tokens are never drawn."""
-    from agentenv.lm.sampler import _sample, _warpers
+    from agentenv.lm.decoding import _sample, _warpers
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0, -9.0]]).repeat(20000, 1)
     sampling = SamplingConfig(temperature=2.0, top_k=3)
@@ -391,3 +391,89 @@ def test_shardings_the_sampler_cannot_gather_are_refused(tiny_model, tokenizer):
     param.ds_id = 0  # how DeepSpeed ZeRO-3 marks a partitioned parameter
     with pytest.raises(InvalidOptionError, match="ZeRO-3.*fsdp_version: 2"):
         TransformersPolicy(tiny_model, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tokenizer):
+    """The tiny random model with large attention weights: its next token depends on which
+    earlier tokens it attends to (the plain tiny model's attention barely moves its
+    logits, so a misaligned KV cache would go unnoticed)."""
+    from agentenv.lm.models import tiny_model as build
+
+    model = build(tokenizer)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(k in name for k in ("q_proj", "k_proj")):
+                param.mul_(12)
+            elif any(k in name for k in ("v_proj", "o_proj")):
+                param.mul_(6)
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_joining_and_leaving_a_running_batch_decode_as_they_would_alone(
+    sharp_model, tokenizer, dtype
+):
+    """Continuous batching: a row added while others decode, or left running after others
+    ended, gets the tokens and log-probs of a fresh single-row generate with its seed."""
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, stop_strings=[])
+    rows = prompts(tokenizer)
+    seeds = [11, 22, 33]
+    limits = [12, 5, 9]  # rows end at different steps
+    policy = TransformersPolicy(sharp_model, tokenizer, dtype=dtype)
+    decoder = policy.decoder(sampling)
+    decoder.add(0, rows[0], seed=seeds[0], max_new_tokens=limits[0])
+    got = {}
+    for step in range(40):
+        # rows join a running batch narrower (47 + 1 slots vs 50) and wider (47 + 6 vs 43)
+        # than their own prefill: either side may need the masked gap
+        if step == 1:
+            decoder.add(2, rows[2], seed=seeds[2], max_new_tokens=limits[2])
+        if step == 6:
+            decoder.add(1, rows[1], seed=seeds[1], max_new_tokens=limits[1])
+        for key, generation in decoder.step():
+            got[key] = generation
+        if len(got) == 3:
+            break
+    assert len(decoder) == 0 and sorted(got) == [0, 1, 2]
+    for i in range(3):
+        alone = TransformersPolicy(sharp_model, tokenizer, dtype=dtype).generate(
+            [rows[i]],
+            sampling.__class__(**{**vars(sampling), "max_new_tokens": limits[i]}),
+            seeds=[seeds[i]],
+        )[0]
+        assert got[i].token_ids == alone.token_ids and len(alone.token_ids) == limits[i]
+        atol = 1e-5 if dtype == "float32" else 0.05  # bf16: batched kernels round apart
+        torch.testing.assert_close(
+            torch.tensor(got[i].sampler_logprobs), torch.tensor(alone.sampler_logprobs),
+            atol=atol, rtol=0,
+        )  # fmt: skip
+
+
+def test_a_continued_row_starts_from_its_saved_cache(sharp_model, tokenizer):
+    """An episode's next turn, added while another row decodes, continues its saved KV
+    cache: its tokens and log-probs equal a fresh prefill of the whole prompt (float32)."""
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, stop_strings=[])
+    first = prompts(tokenizer)[0]
+    policy = TransformersPolicy(sharp_model, tokenizer, dtype="float32")
+    decoder = policy.decoder(sampling)
+    decoder.add("a", first, seed=1, max_new_tokens=4)
+    decoder.add("b", prompts(tokenizer)[1], seed=2)
+    ended = [x for _ in range(4) for x in decoder.step()]
+    assert [key for key, _ in ended] == ["a"] and decoder.rows[0].key == "b"
+    turn = ended[0][1]
+    longer = [*first, *turn.token_ids, *tokenizer.encode(" ok, go on", add_special_tokens=False)]
+    assert policy._lookup(tuple(longer)) is not None
+    decoder.add("a2", longer, seed=3, max_new_tokens=6)
+    got = dict(x for _ in range(12) for x in decoder.step())
+    assert policy._lookup(tuple(longer)) is None  # the saved row was continued (and used up)
+    alone = TransformersPolicy(sharp_model, tokenizer, dtype="float32").generate(
+        [longer], SamplingConfig(max_new_tokens=6, temperature=1.0, stop_strings=[]), seeds=[3]
+    )[0]
+    assert got["a2"].token_ids == alone.token_ids and len(alone.token_ids) == 6
+    torch.testing.assert_close(
+        torch.tensor(got["a2"].sampler_logprobs),
+        torch.tensor(alone.sampler_logprobs),
+        atol=1e-5,
+        rtol=0,
+    )

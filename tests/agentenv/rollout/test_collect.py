@@ -1,3 +1,6 @@
+import collections
+import time
+
 import gymnasium as gym
 import pytest
 import torch
@@ -13,16 +16,25 @@ from agentenv.rollout.episode import ChatFormat, collate
 
 
 class RecordingPolicy(TransformersPolicy):
-    """Keeps what generate() returned, to compare with what the episodes stored."""
+    """Keeps every turn its decoder returned, by (group, member), to compare with what the
+    episodes stored."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls = []
+        self.turns = collections.defaultdict(list)
 
-    def generate(self, prompts, sampling, **kwargs):
-        gens = super().generate(prompts, sampling, **kwargs)
-        self.calls.append(gens)
-        return gens
+    def decoder(self, sampling):
+        decoder = super().decoder(sampling)
+        step = decoder.step
+
+        def recorded():
+            ended = step()
+            for trajectory, generation in ended:
+                self.turns[trajectory.group, trajectory.member].append(generation)
+            return ended
+
+        decoder.step = recorded
+        return decoder
 
 
 def make_env():
@@ -47,17 +59,22 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer):
         assert len(prompts) == 1  # same seed -> same task -> same prompt tokens
         assert all(e.seed == [4, 9][b] and e.group == b for e in group)
     episodes = [e for g in groups for e in g]
-    for turn, gens in enumerate(policy.calls):
-        for ep, gen in zip(episodes, gens, strict=True):
-            start, end = ep.policy_spans()[turn]
-            assert ep.input_ids[start:end] == gen.token_ids
-            assert ep.sampler_logprobs[start:end] == pytest.approx(gen.sampler_logprobs)
+    for b, group in enumerate(groups):
+        for m, ep in enumerate(group):
+            gens = policy.turns[b, m]
+            assert len(gens) == ep.num_turns == 2
+            for (start, end), gen in zip(ep.policy_spans(), gens, strict=True):
+                assert ep.input_ids[start:end] == gen.token_ids
+                assert ep.sampler_logprobs[start:end] == pytest.approx(gen.sampler_logprobs)
     assert set(metrics) == {
         "rollout/generate_s",
         "rollout/env_s",
         "rollout/total_s",
         "rollout/tokens",
         "rollout/env_errors",
+        "rollout/env_wait_s",
+        "rollout/tokens_per_s",
+        "rollout/rows_mean",
     }
     assert metrics["rollout/env_errors"] == 0
     assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes)
@@ -164,3 +181,95 @@ def test_real_smollm2_rollout_on_calculator(smollm2):
         assert all(lp <= 0 for lp, m in zip(ep.sampler_logprobs, ep.action_mask, strict=True) if m)
         assert ep.reward in (0.0, 1.0) and "turn" in ep.info
     assert metrics["rollout/generate_s"] > 0
+
+
+class PlainBackend:
+    """Only ``generate``: the engine batches whatever episodes wait whenever no env step is
+    running, which with budgets that never bind is today's lock-step collection."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def generate(self, prompts, sampling, **kwargs):
+        return self.policy.generate(prompts, sampling, **kwargs)
+
+    def clear_cache(self):
+        self.policy.clear_cache()
+
+
+class SlowEnv(gym.Wrapper):
+    """Sleeps a different time on each step, so env steps end in another order than they
+    began."""
+
+    def __init__(self, env, delays):
+        super().__init__(env)
+        self.delays = delays
+
+    def step(self, action):
+        time.sleep(self.delays.pop(0) if self.delays else 0.0)
+        return self.env.step(action)
+
+
+def engine_rollout(model, tokenizer, policy=None, make=make_env, **config):
+    config = RolloutConfig(
+        **{
+            "group_size": 3,
+            "max_turns": 3,
+            "sampling": SamplingConfig(max_new_tokens=10, stop_strings=[]),
+            "show_progress": False,
+            **config,
+        }
+    )
+    policy = policy or TransformersPolicy(model, tokenizer, dtype="float32")
+    return collect(make, [4, 9], policy, ChatFormat(tokenizer), config, sample_seed=7)
+
+
+def same_episodes(a, b):
+    for x, y in zip([e for g in a for e in g], [e for g in b for e in g], strict=True):
+        assert x.input_ids == y.input_ids and x.action_mask == y.action_mask
+        assert x.sampler_logprobs == pytest.approx(y.sampler_logprobs, abs=1e-5)
+        assert (x.reward, x.stop_reason, x.num_turns) == (y.reward, y.stop_reason, y.num_turns)
+
+
+def test_the_engine_collects_the_lock_step_episodes_in_float32(tiny_model, tokenizer):
+    lock_step, m0 = engine_rollout(
+        tiny_model,
+        tokenizer,
+        PlainBackend(TransformersPolicy(tiny_model, tokenizer, dtype="float32")),
+    )
+    engine, m1 = engine_rollout(tiny_model, tokenizer, max_concurrency=4)
+    same_episodes(engine, lock_step)
+    assert [e.num_turns for g in engine for e in g] == [3] * 6
+    assert m1["rollout/rows_mean"] <= 4 < m0["rollout/rows_mean"]  # 6 rows a call in lock-step
+
+
+def test_env_steps_that_end_out_of_order_change_no_episode(tiny_model, tokenizer):
+    """Episodes rejoin the batch in whatever order their envs answer; each one's tokens
+    come from its own seed, so the episodes are those of instant envs."""
+    delays = iter([[0.2, 0.0], [0.0, 0.15], [0.05, 0.1], [0.1, 0.0], [0.0, 0.0], [0.15, 0.05]])
+
+    def make_slow():
+        return SlowEnv(make_env(), list(next(delays)))
+
+    instant, _ = engine_rollout(tiny_model, tokenizer)
+    slow, metrics = engine_rollout(tiny_model, tokenizer, make=make_slow)
+    same_episodes(slow, instant)
+    assert metrics["rollout/env_s"] >= 0.75  # the sleeps (0.8 s), summed over episodes
+
+
+def test_an_episode_past_its_time_limit_ends_without_waiting_for_its_env(tiny_model, tokenizer):
+    made = []
+
+    def make_stuck():
+        made.append(None)
+        return SlowEnv(make_env(), [6.0] if len(made) == 1 else [])
+
+    t0 = time.perf_counter()
+    groups, _ = engine_rollout(
+        tiny_model, tokenizer, make=make_stuck, max_turns=1, episode_timeout_s=2.0
+    )
+    assert time.perf_counter() - t0 < 5.0  # did not wait for the 6 s step
+    stuck = groups[0][0]
+    assert stuck.stop_reason == "timeout" and stuck.num_turns == 1
+    others = [e.stop_reason for g in groups for e in g if e is not stuck]
+    assert others == ["max_turns"] * 5, others
