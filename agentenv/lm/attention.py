@@ -215,6 +215,13 @@ class AppendCacheLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized and self._k is not None else 0
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take ``keys`` / ``values`` (``(b, kv, capacity, d)``, valid up to ``length``, zeros
+        after) as this layer's buffers, without copying them."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self._k, self._v, self.length = keys, values, length
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is not None:
             self._k = self._k.repeat_interleave(repeats, dim=0)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.attention import append_cache, cached_forward
+from agentenv.lm.attention import AppendCacheLayer, append_cache, cached_forward
 from agentenv.lm.engine import Generation, SamplingConfig
 
 
@@ -53,10 +53,23 @@ class Decoder:
         keep_saved: Keep saved KV caches that this decoder's rows do not continue (the
             rollout engine: other episodes' turns arrive later). False: a prefill drops
             them (one ``generate`` call continues only the previous call's rows).
+        dead_fraction: A row that ends leaves its slot in the batch (masked, its outputs
+            ignored) until more than this share of the slots are such: removing a row
+            copies the whole KV cache, so the rollout engine drops ended rows in bulk, or
+            for free when rows join. 0: at once (one ``generate`` call: every row's batch
+            is then exactly that of the previous decode loop).
     """
 
-    def __init__(self, policy: Any, sampling: SamplingConfig, *, keep_saved: bool = True):
+    def __init__(
+        self,
+        policy: Any,
+        sampling: SamplingConfig,
+        *,
+        keep_saved: bool = True,
+        dead_fraction: float = 0.5,
+    ):
         self.policy, self.sampling, self.keep_saved = policy, sampling, keep_saved
+        self.dead_fraction = dead_fraction
         self.warpers = _warpers(sampling)
         self.stop_ids = set(policy.stop_token_ids)
         self.stop_strings = list(sampling.stop_strings or [])
@@ -67,14 +80,16 @@ class Decoder:
             finals = None
         self.finals = finals
         self.queued: list[_Row] = []
-        self.rows: list[_Row] = []  # the running batch, in cache order
+        self.rows: list[_Row | None] = []  # the running batch's slots (None: ended), in order
+        self.live = 0  # rows still decoding
         self.mergeable = True  # False once a prefill gives a cache rows cannot join
+        self._waited = 0  # steps the oldest queued row has waited
         self._cache: Any = None
         self._mask = self._logits = self._next_pos = torch.empty(0)
 
     def __len__(self) -> int:
         """Rows in flight: running plus queued."""
-        return len(self.rows) + len(self.queued)
+        return self.live + len(self.queued)
 
     def add(
         self,
@@ -105,66 +120,92 @@ class Decoder:
         self.queued.append(_Row(key, tuple(prompt), limit, generator))
 
     def step(self) -> list[tuple[Any, Generation]]:
-        """Admit the queued rows (one batched prefill), draw one token for every running row,
-        and return ``(key, Generation)`` for each row whose turn ended with it."""
+        """Admit the queued rows when it is time (one batched prefill), draw one token for
+        every running row, and return ``(key, Generation)`` for each row whose turn ended.
+
+        Joining copies the running batch's KV cache once, so queued rows join together: at
+        once into an empty batch, else when they are a quarter of the running rows or the
+        first of them has waited ``ADMIT_AFTER`` steps.
+        """
         with self.policy.decoding():
-            if self.queued and (self.mergeable or not self.rows):
+            if self.queued and self._time_to_admit():
                 self._admit()
-            return self._decode() if self.rows else []
+            if self.queued:
+                self._waited += 1
+            return self._decode() if self.live else []
+
+    ADMIT_AFTER = 8
+
+    def _time_to_admit(self) -> bool:
+        if not self.live:
+            return True
+        if not self.mergeable:
+            return False
+        return 4 * len(self.queued) >= self.live or self._waited >= self.ADMIT_AFTER
 
     def _admit(self) -> None:
-        new, self.queued = self.queued, []
+        new, self.queued, self._waited = self.queued, [], 0
         cache, mask, logits, next_pos = self.policy.prefill(
             [r.prompt for r in new], keep_saved=self.keep_saved
         )
-        if self.rows:
+        if self.live:  # ended rows' slots are left out of the merged batch
+            alive = torch.tensor([j for j, r in enumerate(self.rows) if r is not None])
             cache, mask = merge_caches(
-                self.policy.model, [(self._cache, self._mask), (cache, mask)]
+                self.policy.model, [(self._cache, self._mask, alive), (cache, mask, None)]
             )
-            logits = torch.cat([self._logits, logits])
-            next_pos = torch.cat([self._next_pos, next_pos])
+            logits = torch.cat([self._logits[alive.to(self._logits.device)], logits])
+            next_pos = torch.cat([self._next_pos[alive], next_pos])
+            new = [r for r in self.rows if r is not None] + new
         self.mergeable = plain_layers(cache)
         self._cache, self._mask, self._logits, self._next_pos = cache, mask, logits, next_pos
-        self.rows += new
+        self.rows, self.live = new, len(new)
 
     def _decode(self) -> list[tuple[Any, Generation]]:
-        policy, rows = self.policy, self.rows
+        policy, slots = self.policy, self.rows
+        live = [j for j, r in enumerate(slots) if r is not None]
+        logits = self._logits
+        if len(live) < len(slots):
+            logits = logits[torch.tensor(live, device=logits.device)]
+        rows = [slots[j] for j in live]
         seeded = any(r.generator is not None for r in rows)
         rngs = [r.generator for r in rows] if seeded else None
-        token, logp = _sample(self._logits, self.sampling.temperature, self.warpers, rngs)
-        keep, ended = [], []
-        for j, (t, lp) in enumerate(zip(token.tolist(), logp.tolist(), strict=True)):
-            row = rows[j]
+        token, logp = _sample(logits, self.sampling.temperature, self.warpers, rngs)  # (live,)
+        out = []
+        for j, row, t, lp in zip(live, rows, token.tolist(), logp.tolist(), strict=True):
             row.tokens.append(t)
             row.logps.append(lp)
             if t in self.stop_ids:
-                ended.append((j, "stop"))
+                reason = "stop"
             elif (
                 self.stop_strings
                 and policy.may_end(t, self.finals)
                 and _has_stop(policy.tokenizer, row.tokens, self.stop_strings)
             ):
-                ended.append((j, "stop_string"))
+                reason = "stop_string"
             elif len(row.tokens) >= row.max_new_tokens:
-                ended.append((j, "length"))
+                reason = "length"
             else:
-                keep.append(j)
-        out = []
-        for j, reason in ended:  # their caches stay for the episode's next turn
-            row = rows[j]
+                continue
+            # the row's cache stays in the policy for the episode's next turn
             policy.save(self._cache, j, self._mask[j], row.prompt + tuple(row.tokens[:-1]))
             text = policy.tokenizer.decode(row.tokens, skip_special_tokens=True)
             out.append((row.key, Generation(row.tokens, row.logps, text, reason)))
-        if not keep:
+            slots[j] = None
+            self.live -= 1
+        if not self.live:
             self.rows, self._cache = [], None
             return out
-        if ended:  # drop ended rows and their cache
-            index = torch.tensor(keep)
+        full = torch.full((len(slots),), self.policy.pad_token_id, dtype=token.dtype)
+        full[torch.tensor(live)] = token  # an ended slot is fed padding, masked out
+        token = full
+        alive = torch.tensor([r is not None for r in slots])
+        if len(slots) - self.live > self.dead_fraction * len(slots):  # drop ended slots
+            index = alive.nonzero().squeeze(1)
             self._cache.batch_select_indices(index.to(policy.device))
             self._mask, self._next_pos = self._mask[index], self._next_pos[index]
-            token = token[index]
-            self.rows = [rows[j] for j in keep]
-        self._mask = torch.cat([self._mask, torch.ones((len(keep), 1), dtype=torch.long)], dim=1)
+            token, alive = token[index], alive[index]
+            self.rows = [r for r in slots if r is not None]
+        self._mask = torch.cat([self._mask, alive.long()[:, None]], dim=1)
         logits, self._cache = cached_forward(
             policy.model,
             self._cache,
@@ -185,32 +226,49 @@ def plain_layers(cache: Any) -> bool:
 
 
 def merge_caches(
-    model: torch.nn.Module, parts: Sequence[tuple[Any, torch.Tensor]]
+    model: torch.nn.Module, parts: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]
 ) -> tuple[Any, torch.Tensor]:
-    """One batch from several ``(cache, mask (rows, slots))`` batches, rows in order.
+    """One batch from several ``(cache, mask (rows, slots), rows to keep or None)``
+    batches, rows in order.
 
     Each part's leading slots that no row uses are dropped; the narrower parts get a masked
     gap on the left, so every row stays right-aligned (its positions come from its mask).
+    Every key and value is copied once, into buffers with room for the next decode steps
+    where the cache appends in place (:class:`~agentenv.lm.attention.AppendCacheLayer`).
     """
     trimmed = []
-    for cache, mask in parts:
+    for cache, mask, index in parts:
+        mask = mask if index is None else mask[index]
         used = mask.sum(0).nonzero()
         first = int(used[0]) if len(used) else mask.shape[1]
-        trimmed.append((cache, mask[:, first:], first))
-    width = max(m.shape[1] for _, m, _ in trimmed)
+        trimmed.append((cache, mask[:, first:], first, index))
+    width = max(m.shape[1] for _, m, _, _ in trimmed)
+    rows = sum(m.shape[0] for _, m, _, _ in trimmed)
     merged = append_cache(model)
     if merged is None:
         from transformers import DynamicCache
 
         merged = DynamicCache()
     for i in range(len(trimmed[0][0].layers)):
-        keys, values = [], []
-        for cache, mask, first in trimmed:
-            layer, gap = cache.layers[i], width - mask.shape[1]
-            keys.append(F.pad(layer.keys[:, :, first:], (0, 0, gap, 0)))
-            values.append(F.pad(layer.values[:, :, first:], (0, 0, gap, 0)))
-        merged.update(torch.cat(keys), torch.cat(values), i)
-    mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, m, _ in trimmed])
+        sample = trimmed[0][0].layers[i].keys
+        appends = i < len(merged.layers) and isinstance(merged.layers[i], AppendCacheLayer)
+        spare = AppendCacheLayer.SPARE if appends else 0
+        shape = (rows, sample.shape[1], width + spare, sample.shape[-1])
+        keys, values = sample.new_zeros(shape), sample.new_zeros(shape)
+        r = 0
+        for cache, mask, first, index in trimmed:
+            layer, n, w = cache.layers[i], mask.shape[0], mask.shape[1]
+            k, v = layer.keys[:, :, first:], layer.values[:, :, first:]
+            if index is not None:
+                k, v = k[index.to(k.device)], v[index.to(v.device)]
+            keys[r : r + n, :, width - w : width] = k
+            values[r : r + n, :, width - w : width] = v
+            r += n
+        if spare:
+            merged.layers[i].adopt(keys, values, width)
+        else:
+            merged.update(keys, values, i)
+    mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, m, _, _ in trimmed])
     return merged, mask
 
 

@@ -154,7 +154,7 @@ class TransformersPolicy:
                 f"seeds must give one seed per prompt: {len(seeds)} seeds, {len(prompts)} prompts"
             )
         self.refresh()
-        decoder = Decoder(self, sampling, keep_saved=False)
+        decoder = Decoder(self, sampling, keep_saved=False, dead_fraction=0.0)
         for i, prompt in enumerate(prompts):
             decoder.add(i, prompt, seed=None if seeds is None else seeds[i])
         out: list[Generation | None] = [None] * len(prompts)

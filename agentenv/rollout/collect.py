@@ -1,20 +1,24 @@
-"""Collect groups of episodes: G isolated env instances per task, every episode on its own.
+"""Collect groups of episodes: G isolated env instances per task.
 
-Each episode advances by itself: its turn is generated, its env steps in a thread pool
-(off the generation thread, so other episodes keep decoding meanwhile), the observation
-is appended, and its next turn joins the running batch at the next decode step, its KV
-cache continued. With a policy that can decode a running batch
-(:meth:`~agentenv.lm.sampler.TransformersPolicy.decoder`), rows join and leave between
-decode steps, up to ``max_concurrency`` at once (continuous batching); any other
-:class:`~agentenv.lm.engine.PolicyBackend` gets one ``generate`` call for the episodes
-waiting whenever no env step is running. A trajectory stops at ``terminated``,
-``truncated``, ``max_turns``, when its token budget is spent, or when its wall-clock
-limit passes (``timeout``). An env step that raises ends only its own episode
+Two engines (``RolloutConfig.engine``):
+
+* ``lockstep`` (the default): every turn, one batched ``generate`` call serves every
+  unfinished episode; then their env steps run concurrently in a thread pool; then the
+  next turn starts. Every turn waits for its slowest row and its slowest env step.
+* ``continuous``: each episode advances on its own. Its turn is generated in a running
+  batch (:meth:`~agentenv.lm.sampler.TransformersPolicy.decoder`), its env steps in the
+  pool while other episodes keep decoding, and its next turn joins the running batch
+  as soon as the env has answered, KV cache continued, up to ``max_concurrency`` rows.
+  It hides slow env steps (a tool that waits on a server); with instant envs on a CPU it
+  is slower than lockstep (copying KV caches as rows join and leave, measured in
+  ``benchmarks/rollout.py``). A policy without ``decoder`` runs lockstep.
+
+Either way a policy turn draws from the seed of (``sample_seed``, task seed, member,
+turn), so an episode's tokens do not depend on which other episodes share its batch or on
+timing (up to the float rounding of batched kernels). A trajectory stops at
+``terminated``, ``truncated``, ``max_turns``, when its token budget is spent, or past its
+wall-clock limit (``timeout``). An env step that raises ends only its own episode
 (``stop_reason="env_error"``, the error in ``info["env_error"]``).
-
-A policy turn draws from the seed of (``sample_seed``, task seed, member, turn) and
-takes at most ``min(max_new_tokens, the episode's own room)`` tokens, so an episode's
-tokens do not depend on which other episodes share a batch, nor on timing.
 
 :class:`~agentenv.lm.sampler.TransformersPolicy` records the log-prob of every sampled
 token under the exact distribution it was sampled from (after temperature / top-k /
@@ -29,7 +33,13 @@ import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import (
+    ALL_COMPLETED,
+    FIRST_COMPLETED,
+    Future,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +121,8 @@ def collect(
     bar = tqdm(total=len(trajs), desc="rollout", disable=not config.show_progress, leave=False)
     ready: collections.deque[_Trajectory] = collections.deque(trajs)  # waiting for a turn
     stepping: dict[Future, _Trajectory] = {}  # env steps in the pool
-    decoder = policy.decoder(sampling) if hasattr(policy, "decoder") else None
+    continuous = config.engine == "continuous" and hasattr(policy, "decoder")
+    decoder = policy.decoder(sampling) if continuous else None
     deadline = (
         {id(t): start + config.episode_timeout_s for t in trajs} if config.episode_timeout_s else {}
     )
@@ -150,8 +161,8 @@ def collect(
                     clock.decode(time.perf_counter() - t0, rows)
                     for t, g in ended:
                         policy_turn(t, g)
-            elif ready and not stepping:  # a plain backend: all waiting episodes at once
-                batch = [t for t in ready if turn_ready(t)][: config.max_concurrency]
+            elif ready and not stepping:  # lock-step: all waiting episodes at once
+                batch = [t for t in ready if turn_ready(t)]
                 for t in batch:
                     ready.remove(t)
                 ready = collections.deque(t for t in ready if not t.done)
@@ -170,12 +181,16 @@ def collect(
                         policy_turn(t, g)
             decoding = decoder is not None and len(decoder) > 0
             done = [f for f in stepping if f.done()]
+            if decoder is None and stepping:  # lockstep: the whole turn's env steps
+                done = []
             if not done and stepping and not decoding and not (ready and decoder is not None):
                 t0 = time.perf_counter()  # nothing to decode: wait for an env
                 limit = None
                 if deadline:
                     limit = max(0.0, min(deadline[id(t)] for t in stepping.values()) - t0)
-                done = list(wait(stepping, timeout=limit, return_when=FIRST_COMPLETED).done)
+                until = FIRST_COMPLETED if decoder is not None else ALL_COMPLETED
+                wait(stepping, timeout=limit, return_when=until)
+                done = [f for f in stepping if f.done()]  # in the order the steps began
                 clock.env_wait_s += time.perf_counter() - t0
                 if not done:  # an episode's wall-clock limit passed inside its env step
                     now = time.perf_counter()

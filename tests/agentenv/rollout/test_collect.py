@@ -16,8 +16,8 @@ from agentenv.rollout.episode import ChatFormat, collate
 
 
 class RecordingPolicy(TransformersPolicy):
-    """Keeps every turn its decoder returned, by (group, member), to compare with what the
-    episodes stored."""
+    """Keeps every turn it returned, by (group, member), to compare with what the episodes
+    stored (the test's 2 x 3 episodes all take every turn)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -36,6 +36,13 @@ class RecordingPolicy(TransformersPolicy):
         decoder.step = recorded
         return decoder
 
+    def generate(self, prompts, sampling, **kwargs):  # lockstep: one call a turn, in order
+        gens = super().generate(prompts, sampling, **kwargs)
+        if len(prompts) == 6:
+            for i, generation in enumerate(gens):
+                self.turns[divmod(i, 3)].append(generation)
+        return gens
+
 
 def make_env():
     return agentenv.make("Calculator-v0", source="basic_arithmetic", num_tasks=50)
@@ -51,8 +58,9 @@ def rollout(model, tokenizer, dtype="float32", **kwargs):
     return policy, groups, metrics
 
 
-def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer):
-    policy, groups, metrics = rollout(tiny_model, tokenizer)
+@pytest.mark.parametrize("engine", ["lockstep", "continuous"])
+def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, engine):
+    policy, groups, metrics = rollout(tiny_model, tokenizer, engine=engine)
     assert [len(g) for g in groups] == [3, 3]
     for b, group in enumerate(groups):
         prompts = {tuple(e.input_ids[: e.policy_spans()[0][0]]) for e in group}
@@ -95,7 +103,8 @@ class FlakyEnv(gym.Wrapper):
         return self.env.step(action)
 
 
-def test_an_env_that_raises_ends_only_its_own_episode(tiny_model, tokenizer):
+@pytest.mark.parametrize("engine", ["lockstep", "continuous"])
+def test_an_env_that_raises_ends_only_its_own_episode(tiny_model, tokenizer, engine):
     made = []
 
     def make_flaky():
@@ -103,9 +112,13 @@ def test_an_env_that_raises_ends_only_its_own_episode(tiny_model, tokenizer):
         return FlakyEnv(make_env(), bad=len(made) == 2)  # group 0, member 1
 
     config = RolloutConfig(
-        group_size=3, max_turns=3, sampling=SamplingConfig(max_new_tokens=8), show_progress=False
+        group_size=3,
+        max_turns=3,
+        sampling=SamplingConfig(max_new_tokens=8),
+        show_progress=False,
+        engine=engine,
     )
-    policy = RecordingPolicy(tiny_model, tokenizer, dtype="float32")
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
     groups, metrics = collect(make_flaky, [4, 9], policy, ChatFormat(tokenizer), config)
     episodes = [e for g in groups for e in g]
     assert metrics["rollout/env_errors"] == 1
@@ -183,20 +196,6 @@ def test_real_smollm2_rollout_on_calculator(smollm2):
     assert metrics["rollout/generate_s"] > 0
 
 
-class PlainBackend:
-    """Only ``generate``: the engine batches whatever episodes wait whenever no env step is
-    running, which with budgets that never bind is today's lock-step collection."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def generate(self, prompts, sampling, **kwargs):
-        return self.policy.generate(prompts, sampling, **kwargs)
-
-    def clear_cache(self):
-        self.policy.clear_cache()
-
-
 class SlowEnv(gym.Wrapper):
     """Sleeps a different time on each step, so env steps end in another order than they
     began."""
@@ -217,6 +216,7 @@ def engine_rollout(model, tokenizer, policy=None, make=make_env, **config):
             "max_turns": 3,
             "sampling": SamplingConfig(max_new_tokens=10, stop_strings=[]),
             "show_progress": False,
+            "engine": "continuous",
             **config,
         }
     )
@@ -232,11 +232,7 @@ def same_episodes(a, b):
 
 
 def test_the_engine_collects_the_lock_step_episodes_in_float32(tiny_model, tokenizer):
-    lock_step, m0 = engine_rollout(
-        tiny_model,
-        tokenizer,
-        PlainBackend(TransformersPolicy(tiny_model, tokenizer, dtype="float32")),
-    )
+    lock_step, m0 = engine_rollout(tiny_model, tokenizer, engine="lockstep")
     engine, m1 = engine_rollout(tiny_model, tokenizer, max_concurrency=4)
     same_episodes(engine, lock_step)
     assert [e.num_turns for g in engine for e in g] == [3] * 6

@@ -1,0 +1,183 @@
+"""Collection throughput: the rollout engine vs lock-step, and the sampler's fixed work.
+
+    python benchmarks/rollout.py                       # all scenarios, 8 / 32 / 64 episodes
+    python benchmarks/rollout.py --scenarios calc --sizes 8 64
+
+For each scenario and number of episodes (G = 8 per task, sampled at temperature 1.0 from
+seeds, the default SmolLM2-135M-Instruct in the compute dtype ``auto`` resolves to):
+
+* **lockstep** (``RolloutConfig.engine``'s default): every turn is one ``generate`` call
+  for the whole batch, then every env steps, then the next turn starts.
+* **continuous**: every episode advances on its own; its next turn joins the running
+  batch as soon as its env has answered.
+* **fixed work**: the sampler alone, the same number of rows of one prompt, 128 new
+  tokens each, no stop: the tok/s a batch of that many rows reaches when no row ends early.
+
+Scenarios: ``calc`` (Calculator-v0 word problems, 2 turns, 64 tokens a turn), ``rag``
+(RAG-v0, compact prompt, up to 3 turns, 48 tokens a turn: examples/rag_grpo.yaml),
+``sleep`` (``calc`` with every env step taking 0.5 s longer, a slow tool). Both systems
+collect the same episodes (same seeds); the script checks that their policy tokens match
+in count. One run each; nothing else should run meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from _common import peak_rss_mb, torch_threads
+
+SCENARIOS = {
+    "calc": {
+        "env": ("Calculator-v0", {"source": "word_problems", "prompt_style": "compact"}),
+        "max_turns": 2,
+        "max_new_tokens": 64,
+        "sleep_s": 0.0,
+    },
+    "rag": {
+        "env": ("RAG-v0", {"prompt_style": "compact"}),
+        "max_turns": 3,
+        "max_new_tokens": 48,
+        "sleep_s": 0.0,
+    },
+    "sleep": {
+        "env": ("Calculator-v0", {"source": "word_problems", "prompt_style": "compact"}),
+        "max_turns": 2,
+        "max_new_tokens": 64,
+        "sleep_s": 0.5,
+    },
+}
+
+
+def make_factory(env_id: str, kwargs: dict[str, Any], sleep_s: float) -> Any:
+    import gymnasium as gym
+
+    import agentenv
+
+    class SlowTool(gym.Wrapper):
+        def step(self, action: str) -> Any:
+            time.sleep(sleep_s)
+            return self.env.step(action)
+
+    def factory() -> Any:
+        env = agentenv.make(env_id, split="train", **kwargs)
+        return SlowTool(env) if sleep_s else env
+
+    return factory
+
+
+def collect_once(
+    policy: Any, fmt: Any, scenario: dict, episodes: int, group: int, seed: int, engine: str
+) -> dict:
+    import agentenv
+
+    factory = make_factory(*scenario["env"], scenario["sleep_s"])
+    config = agentenv.RolloutConfig(
+        group_size=group,
+        max_turns=scenario["max_turns"],
+        max_episode_tokens=2048,
+        sampling=agentenv.SamplingConfig(scenario["max_new_tokens"], temperature=1.0),
+        show_progress=False,
+        env_workers=max(8, episodes),
+        engine=engine,
+    )
+    tasks = list(range(episodes // group))
+    t0 = time.perf_counter()
+    groups, m = agentenv.collect(
+        factory,
+        tasks,
+        policy,
+        fmt,
+        config,
+        options=[{"task_id": i} for i in tasks],
+        sample_seed=seed,
+    )
+    m["wall_s"] = time.perf_counter() - t0
+    m["turns"] = sum(e.num_turns for g in groups for e in g) / episodes
+    return m
+
+
+def fixed_work(policy: Any, rows: int) -> float:
+    """tok/s of ``rows`` copies of one chat prompt, 128 new tokens each, no stop."""
+    import agentenv
+
+    tok = policy.tokenizer
+    messages = [
+        {"role": "system", "content": "You solve math problems. Use the calculator tool."},
+        {
+            "role": "user",
+            "content": "A carpenter works 6 days a week and is paid 195 a day. "
+            "How much does he earn in 4 weeks?",
+        },
+    ]
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    sampling = agentenv.SamplingConfig(max_new_tokens=128, temperature=1.0, stop_strings=[])
+    stop_ids = policy.stop_token_ids
+    policy.stop_token_ids = [-1]  # no row ends early
+    try:
+        t0 = time.perf_counter()
+        gens = policy.generate([ids] * rows, sampling, seeds=list(range(rows)))
+        seconds = time.perf_counter() - t0
+    finally:
+        policy.stop_token_ids = stop_ids
+        policy.clear_cache()
+    return sum(len(g.token_ids) for g in gens) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--sizes", nargs="+", type=int, default=[8, 32, 64])
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import torch
+
+    import agentenv
+    from agentenv.lm import models
+
+    dtype = agentenv.resolve_dtype(args.dtype, "cpu")
+    model, tokenizer = models.load(args.model, dtype=dtype)
+    policy = agentenv.TransformersPolicy(model, tokenizer, dtype=dtype)
+    fmt = agentenv.ChatFormat(tokenizer)
+    print(f"# {args.model}, {dtype}, torch threads {torch_threads()}, torch {torch.__version__}")
+    fixed = {n: fixed_work(policy, n) for n in sorted(set(args.sizes))}
+    for n, tps in fixed.items():
+        print(f"fixed work, {n} rows x 128 tokens: {tps:.1f} tok/s")
+    header = (
+        f"{'scenario':<8} {'episodes':>8} {'system':<10} {'wall s':>7} {'gen s':>6} "
+        f"{'tokens':>6} {'tok/s':>6} {'vs fixed':>8} {'rows':>5} {'env s':>6} {'env wait s':>10}"
+    )
+    print(header)
+    for name in args.scenarios:
+        scenario = SCENARIOS[name]
+        for n in args.sizes:
+            results = {}
+            for system in ("lockstep", "continuous"):
+                m = collect_once(policy, fmt, scenario, n, args.group_size, args.seed, system)
+                results[system] = m
+                print(
+                    f"{name:<8} {n:>8} {system:<10} {m['wall_s']:>7.1f} "
+                    f"{m['rollout/generate_s']:>6.1f} {m['rollout/tokens']:>6.0f} "
+                    f"{m['rollout/tokens_per_s']:>6.1f} "
+                    f"{m['rollout/tokens_per_s'] / fixed[n]:>8.0%} "
+                    f"{m['rollout/rows_mean']:>5.1f} {m['rollout/env_s']:>6.1f} "
+                    f"{m['rollout/env_wait_s']:>10.1f}",
+                    flush=True,
+                )
+            a, b = results["lockstep"], results["continuous"]
+            print(
+                f"{'':<8} {'':>8} continuous / lockstep: wall {a['wall_s'] / b['wall_s']:.2f}x "
+                f"faster, tok/s {b['rollout/tokens_per_s'] / a['rollout/tokens_per_s']:.2f}x"
+                + ("" if a["rollout/tokens"] == b["rollout/tokens"] else "  (token counts differ)")
+            )
+    print(f"peak RSS {peak_rss_mb():.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
