@@ -27,9 +27,9 @@ model's forward pass instead of ``model.generate``, because that lets it:
   depend on the rest of its batch (nor on how many processes split the work).
 * **attend with grouped matmuls** on a CPU in bfloat16 (:mod:`agentenv.lm.attention`).
 
-On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at about 2.7x the tok/s of plain
-``generate`` in float32, and 1.6x that of ``generate`` in bfloat16 with a static cache
-(``python benchmarks/generation.py``).
+On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at 2.0-2.7x the tok/s of plain
+``generate`` in float32 (runs vary), and 1.5-1.6x that of ``generate`` in bfloat16 with a
+static cache (``python benchmarks/generation.py``).
 """
 
 from __future__ import annotations
