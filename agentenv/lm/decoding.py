@@ -195,16 +195,18 @@ class Decoder:
         if not self.live:
             self.rows, self._cache = [], None
             return out
-        full = torch.full((len(slots),), self.policy.pad_token_id, dtype=token.dtype)
-        full[torch.tensor(live)] = token  # an ended slot is fed padding, masked out
-        token = full
-        alive = torch.tensor([r is not None for r in slots])
-        if len(slots) - self.live > self.dead_fraction * len(slots):  # drop ended slots
-            index = alive.nonzero().squeeze(1)
-            self._cache.batch_select_indices(index.to(policy.device))
-            self._mask, self._next_pos = self._mask[index], self._next_pos[index]
-            token, alive = token[index], alive[index]
-            self.rows = [r for r in slots if r is not None]
+        alive = torch.ones(len(slots), dtype=torch.bool)
+        if self.live < len(slots):  # ended slots: fed padding, masked out, or dropped
+            full = torch.full((len(slots),), self.policy.pad_token_id, dtype=token.dtype)
+            full[torch.tensor(live)] = token
+            token = full
+            alive = torch.tensor([r is not None for r in slots])
+            if len(slots) - self.live > self.dead_fraction * len(slots):
+                index = alive.nonzero().squeeze(1)
+                self._cache.batch_select_indices(index.to(policy.device))
+                self._mask, self._next_pos = self._mask[index], self._next_pos[index]
+                token, alive = token[index], alive[index]
+                self.rows = [r for r in slots if r is not None]
         self._mask = torch.cat([self._mask, alive.long()[:, None]], dim=1)
         logits, self._cache = cached_forward(
             policy.model,

@@ -162,10 +162,8 @@ def collect(
                     for t, g in ended:
                         policy_turn(t, g)
             elif ready and not stepping:  # lock-step: all waiting episodes at once
-                batch = [t for t in ready if turn_ready(t)]
-                for t in batch:
-                    ready.remove(t)
-                ready = collections.deque(t for t in ready if not t.done)
+                batch = [t for t in ready if turn_ready(t)]  # the others just finished
+                ready.clear()
                 if batch:
                     budget = min(sampling.max_new_tokens, *(t.builder.room for t in batch))
                     turn = dataclasses.replace(sampling, max_new_tokens=budget)
