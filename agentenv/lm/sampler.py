@@ -171,8 +171,8 @@ class TransformersPolicy:
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
-        """While decoding: grouped attention where it pays (see :mod:`agentenv.lm.attention`)
-        and a contiguous LM-head input."""
+        """While decoding: no autograd, grouped attention where it pays (see
+        :mod:`agentenv.lm.attention`) and a contiguous LM-head input."""
         config = self.model.config
         attention = config._attn_implementation
         if wants_grouped(self.model, self.dtype):
@@ -180,7 +180,8 @@ class TransformersPolicy:
         head = self.model.get_output_embeddings()
         hook = head.register_forward_pre_hook(_contiguous_input) if head is not None else None
         try:
-            yield
+            with torch.no_grad():
+                yield
         finally:
             config._attn_implementation = attention
             if hook is not None:

@@ -24,8 +24,8 @@ class RolloutConfig:
         "lockstep",
         "lockstep: every turn of the batch is one generate call, then every env steps. "
         "continuous: each episode advances on its own; its next turn joins the running "
-        "batch as soon as its env answers (hides slow tools; on a CPU with instant envs "
-        "slower than lockstep, see docs/benchmarks.md).",
+        "batch as soon as its env answers (no turn waits for the slowest row; on a 2-core "
+        "CPU as fast as lockstep, see docs/benchmarks.md).",
     )
     max_concurrency: int = option(
         64, "continuous engine: most episodes decoding at once; the others wait."

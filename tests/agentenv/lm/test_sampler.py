@@ -477,3 +477,19 @@ def test_a_continued_row_starts_from_its_saved_cache(sharp_model, tokenizer):
         atol=1e-5,
         rtol=0,
     )
+
+
+def test_the_running_batch_keeps_no_autograd_graph(tiny_model, tokenizer):
+    """A float32 model's weights are sampled from as they are (they require grad): decode steps
+    outside ``generate`` must still keep no graph, or every step's activations stay alive
+    (the rollout engine then grew to 12 GB collecting 64 episodes)."""
+    assert all(p.requires_grad for p in tiny_model.parameters())
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    assert any(p.requires_grad for p in policy.model.parameters())  # shared, not copied
+    decoder = policy.decoder(SamplingConfig(max_new_tokens=6, temperature=1.0, stop_strings=[]))
+    for i, prompt in enumerate(prompts(tokenizer)):
+        decoder.add(i, prompt, seed=i, max_new_tokens=3 + i)
+    ended = [x for _ in range(3) for x in decoder.step()]
+    assert [key for key, _ in ended] == [0] and decoder.live == 2
+    assert not decoder._logits.requires_grad
+    assert not any(layer.keys.requires_grad for layer in decoder._cache.layers)
