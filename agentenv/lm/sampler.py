@@ -40,11 +40,10 @@ from typing import Any
 
 import torch
 
-from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import append_cache, cached_forward, wants_grouped
 from agentenv.lm.attention import register as register_grouped_attention
 from agentenv.lm.decoding import Decoder, drain, plain_layers
-from agentenv.lm.engine import Generation, SamplingConfig
+from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
 from agentenv.lm.precision import resolve_dtype
 from agentenv.lm.weights import sampling_copy, sync_weights, trainable_version
 
@@ -86,10 +85,7 @@ class TransformersPolicy:
         self.device = param.device
         self.dtype = resolve_dtype(dtype, self.device)
         if stop_token_ids is None:
-            gen_cfg = getattr(model, "generation_config", None)
-            eos = getattr(gen_cfg, "eos_token_id", None)
-            eos = eos if isinstance(eos, list) else [eos]
-            stop_token_ids = [i for i in {tokenizer.eos_token_id, *eos} if i is not None]
+            stop_token_ids = default_stop_ids(model, tokenizer)
         self.stop_token_ids = list(stop_token_ids)
         pad = tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.stop_token_ids[0]
@@ -147,12 +143,7 @@ class TransformersPolicy:
         ``seeds[i]``: the same prompt and seed give the same tokens in any batch (up to
         float rounding of batched kernels), in one process or split over several.
         """
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise InvalidOptionError("generate needs at least one prompt, each non-empty")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise InvalidOptionError(
-                f"seeds must give one seed per prompt: {len(seeds)} seeds, {len(prompts)} prompts"
-            )
+        check_batch(prompts, seeds)
         self.refresh()
         decoder = Decoder(self, sampling, keep_saved=False, dead_fraction=0.0)
         for i, prompt in enumerate(prompts):

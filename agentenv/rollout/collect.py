@@ -1,6 +1,6 @@
 """Collect groups of episodes: G isolated env instances per task.
 
-Two engines (``RolloutConfig.engine``):
+Two ways to batch (``RolloutConfig.batching``):
 
 * ``lockstep`` (the default): every turn, one batched ``generate`` call serves every
   unfinished episode; then their env steps run concurrently in a thread pool; then the
@@ -122,7 +122,7 @@ def collect(
     bar = tqdm(total=len(trajs), desc="rollout", disable=not config.show_progress, leave=False)
     ready: collections.deque[_Trajectory] = collections.deque(trajs)  # waiting for a turn
     stepping: dict[Future, _Trajectory] = {}  # env steps in the pool
-    continuous = config.engine == "continuous" and hasattr(policy, "decoder")
+    continuous = config.batching == "continuous" and hasattr(policy, "decoder")
     decoder = policy.decoder(sampling) if continuous else None
     deadline = (
         {id(t): start + config.episode_timeout_s for t in trajs} if config.episode_timeout_s else {}

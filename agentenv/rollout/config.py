@@ -8,7 +8,7 @@ from agentenv.config import option
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.engine import SamplingConfig
 
-ENGINES = ("lockstep", "continuous")
+BATCHING = ("lockstep", "continuous")
 
 
 @dataclass
@@ -20,7 +20,7 @@ class RolloutConfig:
     max_episode_tokens: int = option(2048, "Token budget per episode (prompt + all turns).")
     sampling: SamplingConfig = option(SamplingConfig(), "Per-turn sampling settings (section).")
     env_workers: int = option(8, "Threads stepping environments concurrently.")
-    engine: str = option(
+    batching: str = option(
         "lockstep",
         "lockstep: every turn of the batch is one generate call, then every env steps. "
         "continuous: each episode advances on its own; its next turn joins the running "
@@ -28,7 +28,7 @@ class RolloutConfig:
         "CPU as fast as lockstep, see docs/benchmarks.md).",
     )
     max_concurrency: int = option(
-        64, "continuous engine: most episodes decoding at once; the others wait."
+        64, "continuous batching: most episodes decoding at once; the others wait."
     )
     episode_timeout_s: float | None = option(
         None,
@@ -43,8 +43,8 @@ class RolloutConfig:
         for name in names:
             if getattr(self, name) < 1:
                 raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.engine not in ENGINES:
-            raise InvalidOptionError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.batching not in BATCHING:
+            raise InvalidOptionError(f"batching must be one of {BATCHING}, got {self.batching!r}")
         if self.episode_timeout_s is not None and self.episode_timeout_s <= 0:
             raise InvalidOptionError(
                 f"episode_timeout_s must be > 0 or None (no limit), got {self.episode_timeout_s}"

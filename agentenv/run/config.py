@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from agentenv import config as config_lib
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.engine import EngineConfig, SamplingConfig
 from agentenv.lm.models import DEFAULT_MODEL
 from agentenv.lm.precision import check_dtype
 from agentenv.rollout.config import RolloutConfig
@@ -109,6 +109,9 @@ class TrainConfig(CommandConfig):
         _training_rollout(), "How episodes are collected and sampled (section)."
     )
     grpo: GRPOConfig = option(GRPOConfig(), "GRPO hyper-parameters (section).")
+    generation: EngineConfig = option(
+        EngineConfig(), "Which engine samples the episodes (section)."
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -204,6 +207,9 @@ class EvalRunConfig(CommandConfig):
     output: str | None = option(None, "Write the report as JSON to this path.")
     eval: EvalConfig = option(
         EvalConfig(max_turns=3, max_new_tokens=96), "What to evaluate (section)."
+    )
+    generation: EngineConfig = option(
+        EngineConfig(), "Which engine samples the episodes (section)."
     )
 
     def __post_init__(self) -> None:

@@ -109,7 +109,7 @@ def train(
     """
     from agentenv.env.registration import make
     from agentenv.lm import models
-    from agentenv.lm.sampler import TransformersPolicy
+    from agentenv.lm.engines import check_engine, make_policy
     from agentenv.rollout.collect import collect
     from agentenv.rollout.episode import ChatFormat
     from agentenv.run.config import EvalConfig
@@ -140,6 +140,12 @@ def train(
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_json(run_dir / "config.json", config_lib.to_dict(config))  # the effective one
     make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
+    check_engine(config.generation)
+    if config.generation.engine != "agentenv" and world > 1:
+        raise InvalidOptionError(
+            f"engine {config.generation.engine} runs in one process; with {world} processes "
+            "use the agentenv engine"
+        )
 
     torch.manual_seed(config.seed)  # LoRA init; episodes draw from sampling_seed()
     device = config.device or models.default_device()
@@ -177,7 +183,9 @@ def train(
         else None
     )
     fmt = ChatFormat(tokenizer)
-    policy = TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
+    policy = make_policy(
+        config.generation, algo.unwrapped_model, tokenizer, model_name=config.model, dtype=compute
+    )
     eval_cfg = EvalConfig(
         num_tasks=config.eval_tasks or None,
         max_turns=rollout.max_turns,

