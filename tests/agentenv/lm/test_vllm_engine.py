@@ -18,7 +18,7 @@ needs_vllm = pytest.mark.skipif(missing is not None, reason=str(missing))
 
 
 def small(tokenizer, seed=0):
-    """2 layers, head size 64 (vLLM's CPU attention takes 32, 64, 80, ...; not 16)."""
+    """2 layers, head size 64 (vLLM's CPU attention refuses the default tiny model's 16)."""
     from agentenv.lm.models import tiny_model
 
     return tiny_model(tokenizer, hidden_size=128, num_heads=2, seed=seed)
