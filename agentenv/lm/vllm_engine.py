@@ -124,9 +124,6 @@ class VLLMPolicy:
         self.llm.reset_prefix_cache()
         self.syncs += 1
 
-    def clear_cache(self) -> None:
-        """Nothing kept between calls here (vLLM's prefix cache is its own)."""
-
     # ---- decoding ------------------------------------------------------------------
 
     def generate(
@@ -182,8 +179,8 @@ def _start(
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set: the
     # trainer in this process would then run on one core
-    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     threads = torch.get_num_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     from vllm import LLM
 
     llm = LLM(
