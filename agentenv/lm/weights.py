@@ -230,14 +230,22 @@ def _onednn_linear() -> bool:
         return False
 
 
+def _onednn_bf16() -> bool:
+    """Whether oneDNN has a bfloat16 path on this CPU (avx512bw/vl/dq or avx_ne_convert;
+    an AVX2-only CPU has none, and packing a bf16 weight there raises)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def packs_linears(device: str | torch.device, dtype: torch.dtype) -> bool:
     """Whether the sampler runs its linear layers from pre-packed weights
-    (:class:`_PackedLinear`): on a CPU, in bfloat16 or float32, with oneDNN present."""
-    return (
-        torch.device(device).type == "cpu"
-        and dtype in (torch.bfloat16, torch.float32)
-        and _onednn_linear()
-    )
+    (:class:`_PackedLinear`): on a CPU, in float32, or in bfloat16 where oneDNN has a
+    bfloat16 path, with oneDNN present."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return _onednn_linear() and (dtype == torch.float32 or _onednn_bf16())
 
 
 class _PackedLinear(torch.nn.Module):
