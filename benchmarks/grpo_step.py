@@ -6,6 +6,7 @@ Both systems train the same model on the same Calculator-v0 tasks with the same
 measured separately::
 
     HF_HUB_OFFLINE=1 python benchmarks/grpo_step.py                 # SmolLM2, 3 steps
+    python benchmarks/grpo_step.py --engines agentenv vllm          # and agentenv on vLLM
     python benchmarks/grpo_step.py --model /tmp/tiny --steps 1 --group-size 2 --max-new-tokens 16
 
 TRL is a benchmark-only dependency: ``pip install -e ".[bench]"``.
@@ -20,6 +21,12 @@ episode at the first turn without a tool call and runs at most
 turn with neither a tool call nor an answer with a format reminder and goes on, so by
 default a wrapper ends its episodes there too. ``--turn-rule agentenv`` keeps agentenv's
 native behaviour (more turns and tokens per step for a model that does not call tools).
+
+Engines (``--engines``): ``agentenv`` samples with the bundled sampler, ``vllm`` with vLLM
+in the trainer's process (``--engine vllm``); that worker runs under ``--vllm-python``
+(default: this Python if it imports vllm, else ``.venv-vllm/bin/python`` from
+``install.sh --vllm``, whose vLLM CPU wheel pins an older transformers than the main venv).
+TRL samples with its own transformers ``generate`` (its ``use_vllm`` needs CUDA).
 
 Files: this one holds the arguments, the orchestration (each system runs in a fresh
 interpreter that re-runs this script with ``--worker agentenv|trl``) and the report;
@@ -79,6 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--turn-rule", default="trl", choices=["trl", "agentenv"])
     p.add_argument("--only", choices=["agentenv", "trl"], help="run one system")
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        default=["agentenv"],
+        choices=["agentenv", "vllm"],
+        help="agentenv's generation engines to run (each its own system)",
+    )
+    p.add_argument("--engine", default="agentenv", help=argparse.SUPPRESS)  # a worker's
+    p.add_argument("--vllm-python", help="the Python the vllm engine runs under")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--dtype",
@@ -116,13 +132,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- orchestration and report -----------------------------------------------------------
 
 
-def run_worker(system: str, argv: list[str]) -> dict[str, Any] | None:
+def vllm_python(args: argparse.Namespace) -> str:
+    """The Python the vllm engine's worker runs under (see the module docstring)."""
+    if args.vllm_python:
+        return args.vllm_python
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    return str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
+
+
+def run_worker(
+    system: str, argv: list[str], python: str = sys.executable, engine: str = "agentenv"
+) -> dict[str, Any] | None:
     """Run one system in a fresh interpreter (its own peak RSS); None if it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
         env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.setdefault("HF_HUB_OFFLINE", "1")
-        cmd = [sys.executable, __file__, *argv, "--worker", system, "--result-file", str(path)]
+        cmd = [python, __file__, *argv, "--worker", system, "--result-file", str(path)]
+        cmd += ["--engine", engine]
         print(f"== {system}: running ...", file=sys.stderr, flush=True)
         code = subprocess.run(cmd, env=env, stdout=sys.stderr).returncode  # stdout: the table
         if code != 0 or not path.exists():
@@ -198,19 +226,21 @@ def report(args: argparse.Namespace, summaries: dict[str, dict[str, Any]]) -> st
             "(which adds its own tool section to the system prompt)"
         )
     lines.append("")
-    lines.append(f"{'':30}" + "".join(f"{n:>12}" for n in names))
+    lines.append(f"{'':30}" + "".join(f"{n:>15}" for n in names))
     for label, key, fmt in ROWS:
         if any(key in s for s in summaries.values()):
             cells = [fmt.format(s[key]) if key in s else "-" for s in summaries.values()]
-            lines.append(f"{label:30}" + "".join(f"{c:>12}" for c in cells))
+            lines.append(f"{label:30}" + "".join(f"{c:>15}" for c in cells))
     timed = ", ".join(f"{n} {s['timed']}/{s['all']}" for n, s in summaries.items())
     lines.append(f"{'steps timed':30}{timed}  (first step dropped as warm-up when >= 3)")
-    if len(summaries) == 2:
-        a, t = summaries["agentenv"], summaries["trl"]
-        lines.append(
-            f"\nTRL / agentenv seconds per step: {t['total_s'] / a['total_s']:.2f}x (mean), "
-            f"{t['min_s'] / a['min_s']:.2f}x (min)"
-        )
+    if "trl" in summaries:
+        t = summaries["trl"]
+        for name in (n for n in names if n != "trl"):
+            a = summaries[name]
+            lines.append(
+                f"\nTRL / {name} seconds per step: {t['total_s'] / a['total_s']:.2f}x (mean), "
+                f"{t['min_s'] / a['min_s']:.2f}x (min)"
+            )
     zero_std = summaries.get("agentenv", {}).get("frac_reward_zero_std", 0.0)
     if zero_std > 0 and not args.reward_noise:
         lines.append(
@@ -232,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args)
         Path(args.result_file).write_text(json.dumps(result))
         return 0
-    systems = [args.only] if args.only else ["agentenv", "trl"]
+    ours = [] if args.only == "trl" else [f"agentenv-{e}" for e in args.engines]
+    systems = [*ours] + ([] if args.only == "agentenv" else ["trl"])
+    systems = ["agentenv" if s == "agentenv-agentenv" else s for s in systems]
     if "trl" in systems and importlib.util.find_spec("trl") is None:
         print(INSTALL_HINT, file=sys.stderr)
         if args.only == "trl":
@@ -240,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         systems.remove("trl")
     summaries = {}
     for system in systems:
-        result = run_worker(system, argv)
+        if system == "agentenv-vllm":
+            result = run_worker("agentenv", argv, vllm_python(args), engine="vllm")
+        else:
+            result = run_worker(system, argv)
         if result is not None:
             summaries[system] = summarize(result)
     if not summaries:

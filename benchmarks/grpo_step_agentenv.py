@@ -62,7 +62,13 @@ def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
     )
     algo = GRPO(model, tokenizer, config, sampling=rollout.sampling, seed=args.seed, dtype=compute)
     fmt = agentenv.ChatFormat(tokenizer)
-    policy = agentenv.TransformersPolicy(algo.unwrapped_model, tokenizer, dtype=compute)
+    from agentenv.lm.engine import EngineConfig
+    from agentenv.lm.engines import make_policy
+
+    engine = EngineConfig(engine=args.engine)
+    policy = make_policy(
+        engine, algo.unwrapped_model, tokenizer, model_name=args.model, dtype=compute
+    )
 
     def env_factory() -> Any:
         env = make_env(args)

