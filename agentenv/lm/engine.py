@@ -11,6 +11,7 @@ picks one for a command (:func:`agentenv.lm.engines.make_policy` builds it).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -87,6 +88,11 @@ class EngineConfig:
         "server must read it (same machine or a shared filesystem). Default: a temp folder.",
     )
     server_timeout_s: float = option(600.0, "server: seconds to wait for one turn's reply.")
+    server_api_key_env: str | None = option(
+        None,
+        "server: the environment variable holding its API key (vllm serve --api-key), sent "
+        "as a bearer token; the key itself is never written to config.json.",
+    )
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -101,6 +107,11 @@ class EngineConfig:
             raise InvalidOptionError(
                 "engine server needs the server's URL: set server_url (--server-url "
                 "http://HOST:PORT/v1)"
+            )
+        if self.server_api_key_env is not None and not os.environ.get(self.server_api_key_env):
+            raise InvalidOptionError(
+                f"server_api_key_env names {self.server_api_key_env!r}, which is not set (or "
+                f"empty) in this environment; export {self.server_api_key_env}=<key>"
             )
         if self.server_timeout_s <= 0:
             raise InvalidOptionError(f"server_timeout_s must be > 0, got {self.server_timeout_s}")
@@ -149,4 +160,31 @@ class PolicyBackend(Protocol):
         row's random draws come from its own seed, so a row's result does not depend on
         the other rows of the batch (``collect`` passes them when given a ``sample_seed``;
         a backend that cannot honour them should raise)."""
+        ...
+
+
+class RunningBatch(Protocol):
+    """Rows in flight that join and leave between steps: what ``policy.decoder(sampling)``
+    returns and the rollout engine drives (``RolloutConfig.batching="continuous"``). The
+    bundled sampler's is :class:`~agentenv.lm.decoding.Decoder`; vLLM's and a server's
+    add requests to the engine, which batches them itself."""
+
+    def __len__(self) -> int:
+        """Rows in flight (added, their turn not yet returned)."""
+        ...
+
+    def add(
+        self,
+        key: Any,
+        prompt: Sequence[int],
+        *,
+        seed: int | None = None,
+        max_new_tokens: int | None = None,
+    ) -> None:
+        """Start a row: its turn continues ``prompt``, draws from ``seed`` (None: the
+        engine's RNG) and takes at most ``max_new_tokens`` (and the sampling's limit)."""
+        ...
+
+    def step(self) -> list[tuple[Any, Generation]]:
+        """Advance the batch; ``(key, Generation)`` of every row whose turn ended."""
         ...

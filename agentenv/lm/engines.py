@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ def check_engine(config: EngineConfig) -> None:
         from agentenv.lm.server_engine import served_models
 
         assert config.server_url is not None  # EngineConfig checks it
-        names = served_models(config.server_url)
+        names = served_models(config.server_url, api_key=server_api_key(config))
         if config.server_model is not None and config.server_model not in names:
             raise InvalidOptionError(
                 f"engine server: {config.server_url} serves {names}, not "
@@ -29,6 +30,12 @@ def check_engine(config: EngineConfig) -> None:
         reason = vllm_missing()
         if reason is not None:
             raise InvalidOptionError(f"engine vllm: {reason}")
+
+
+def server_api_key(config: EngineConfig) -> str | None:
+    """The server's API key, read from the variable ``server_api_key_env`` names."""
+    name = config.server_api_key_env
+    return os.environ.get(name) if name else None
 
 
 def make_policy(
@@ -68,6 +75,7 @@ def make_policy(
             served_model=config.server_model,
             adapter_dir=config.server_adapter_dir,
             timeout_s=config.server_timeout_s,
+            api_key=server_api_key(config),
         )
     from agentenv.lm.models import resolve
     from agentenv.lm.vllm_engine import VLLMPolicy

@@ -57,7 +57,13 @@ from typing import Any
 import torch
 
 from agentenv.errors import EngineError, InvalidOptionError
-from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
+from agentenv.lm.engine import (
+    Generation,
+    RunningBatch,
+    SamplingConfig,
+    check_batch,
+    default_stop_ids,
+)
 from agentenv.lm.weights import is_peft, trainable_version
 
 _MAX_REQUESTS = 256  # requests in flight at once (the server queues what it cannot batch)
@@ -73,11 +79,11 @@ def base_url(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
+def served_models(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> list[str]:
     """The model names an OpenAI-compatible server at ``url`` lists (``GET /v1/models``);
     :class:`~agentenv.errors.EngineError` if nothing answers there."""
-    reply = _request(f"{base_url(url)}/models", None, timeout_s)
-    return [m["id"] for m in reply.get("data", [])]
+    reply = _request(f"{base_url(url)}/models", None, timeout_s, api_key)
+    return [m["id"] for m in (reply or {}).get("data", [])]
 
 
 class ServerPolicy:
@@ -96,6 +102,7 @@ class ServerPolicy:
         stop_token_ids: Ids that end a turn (default: the tokenizer's and generation
             config's EOS ids, as the other engines').
         timeout_s: Seconds to wait for one reply.
+        api_key: Sent as a bearer token (``vllm serve --api-key``).
     """
 
     def __init__(
@@ -108,10 +115,12 @@ class ServerPolicy:
         adapter_dir: str | Path | None = None,
         stop_token_ids: Sequence[int] | None = None,
         timeout_s: float = 600.0,
+        api_key: str | None = None,
     ):
         self.url = base_url(url)
         self.timeout_s = timeout_s
-        names = served_models(self.url)
+        self._api_key = api_key
+        names = served_models(self.url, api_key=api_key)
         if served_model is None:
             if not names:
                 raise EngineError(f"engine server: {self.url}/models lists no model")
@@ -202,7 +211,7 @@ class ServerPolicy:
         ]
         return [f.result() for f in futures]
 
-    def decoder(self, sampling: SamplingConfig) -> Requests:
+    def decoder(self, sampling: SamplingConfig) -> RunningBatch:
         """The rollout engine's running batch: one request in flight per row."""
         return Requests(self, sampling)
 
@@ -249,13 +258,13 @@ class ServerPolicy:
         return Generation(list(ids), [float(v) for v in logps], text, reason)
 
     def _post(self, path: str, body: dict, timeout_s: float | None = None) -> Any:
-        return _request(f"{self.url}/{path}", body, timeout_s or self.timeout_s)
+        return _request(f"{self.url}/{path}", body, timeout_s or self.timeout_s, self._api_key)
 
 
 class Requests:
-    """Rows of a :class:`ServerPolicy` in flight, with the interface of the sampler's
-    running batch (:class:`~agentenv.lm.decoding.Decoder`): :meth:`add` sends a row's
-    request at once, :meth:`step` returns the rows whose reply came back."""
+    """Rows of a :class:`ServerPolicy` in flight, a
+    :class:`~agentenv.lm.engine.RunningBatch`: :meth:`add` sends a row's request at once,
+    :meth:`step` returns the rows whose reply came back."""
 
     POLL_S = 0.02  # step() waits at most this long, so the caller also sees its env steps
 
@@ -292,13 +301,16 @@ class Requests:
         return [(self.inflight.pop(f), f.result()) for f in done]
 
 
-def _request(url: str, body: dict | None, timeout_s: float) -> Any:
+def _request(url: str, body: dict | None, timeout_s: float, api_key: str | None = None) -> Any:
     """GET (``body`` None) or POST JSON to ``url``; the reply's JSON (None if it is not).
 
     Raises :class:`~agentenv.errors.EngineError` naming the URL when nothing answers or the
     server answers with an error."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as reply:
             text = reply.read().decode()

@@ -34,7 +34,13 @@ from typing import Any
 import torch
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
+from agentenv.lm.engine import (
+    Generation,
+    RunningBatch,
+    SamplingConfig,
+    check_batch,
+    default_stop_ids,
+)
 from agentenv.lm.weights import check_sharding, is_peft, trainable_version
 
 
@@ -148,7 +154,7 @@ class VLLMPolicy:
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [self._generation(o.outputs[0]) for o in outputs]
 
-    def decoder(self, sampling: SamplingConfig) -> EngineSteps:
+    def decoder(self, sampling: SamplingConfig) -> RunningBatch:
         """The rollout engine's running batch: rows are requests added to vLLM's engine
         between its steps (vLLM schedules them continuously itself)."""
         return EngineSteps(self, sampling)
@@ -186,10 +192,10 @@ class VLLMPolicy:
 
 
 class EngineSteps:
-    """Rows of a :class:`VLLMPolicy` as requests in vLLM's engine, with the interface of
-    the sampler's running batch (:class:`~agentenv.lm.decoding.Decoder`): :meth:`add`
-    adds a request, :meth:`step` runs one engine step (vLLM's scheduler admits waiting
-    requests and decodes the running ones) and returns the rows whose turn ended."""
+    """Rows of a :class:`VLLMPolicy` as requests in vLLM's engine, a
+    :class:`~agentenv.lm.engine.RunningBatch`: :meth:`add` adds a request, :meth:`step`
+    runs one engine step (vLLM's scheduler admits waiting requests and decodes the
+    running ones) and returns the rows whose turn ended."""
 
     def __init__(self, policy: VLLMPolicy, sampling: SamplingConfig):
         self.policy, self.sampling = policy, sampling

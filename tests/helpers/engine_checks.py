@@ -39,6 +39,46 @@ def recomputed(model, prompt, generation, temperature=1.0):
     return torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
 
 
+def check_tokens_logprobs_and_seeds(policy, model, tokenizer):
+    """An engine's turns: ids and the log-probs ``model`` gives them (of the distribution
+    sampled from, temperature included), text decoded from the ids, and a row's tokens
+    fixed by its seed whatever its batch."""
+    import pytest
+
+    rows = prompts(tokenizer)
+    got = policy.generate(rows, SAMPLING, seeds=[1, 2])
+    assert [len(g.token_ids) for g in got] == [16, 16]
+    assert [g.finish_reason for g in got] == ["length", "length"]
+    for prompt, g in zip(rows, got, strict=True):
+        assert g.text == tokenizer.decode(g.token_ids, skip_special_tokens=True)
+        want = recomputed(model, prompt, g)
+        torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
+    again = policy.generate([rows[1], rows[0], rows[1]], SAMPLING, seeds=[2, 1, 7])
+    assert again[0].token_ids == got[1].token_ids and again[1].token_ids == got[0].token_ids
+    assert again[2].token_ids != got[1].token_ids
+    hot = SamplingConfig(max_new_tokens=8, temperature=2.0, stop_strings=[])
+    g = policy.generate([rows[0]], hot, seeds=[3])[0]
+    want = recomputed(model, rows[0], g, temperature=2.0)
+    torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
+    assert g.sampler_logprobs != pytest.approx(recomputed(model, rows[0], g).tolist(), abs=1e-3)
+
+
+def check_stop_string(policy, tokenizer):
+    """A stop string ends the turn at the token that completes it (that token kept)."""
+    import pytest
+
+    prompt = prompts(tokenizer)[0]
+    free = policy.generate([prompt], SAMPLING, seeds=[5])[0]
+    stop = tokenizer.decode(free.token_ids[5:6])  # a string the seeded turn produces
+    assert stop.strip(), "pick a token with visible text"
+    first = next(i for i in range(16) if stop in tokenizer.decode(free.token_ids[: i + 1]))
+    cut = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=[stop])
+    got = policy.generate([prompt], cut, seeds=[5])[0]
+    assert got.finish_reason == "stop_string"
+    assert got.token_ids == free.token_ids[: first + 1]
+    assert got.sampler_logprobs == pytest.approx(free.sampler_logprobs[: first + 1], abs=1e-5)
+
+
 def check_continuous_collection(policy, model, tokenizer):
     """``collect`` with ``batching="continuous"`` over ``policy``'s own running batch:
     episodes overlap, every episode's sampler log-probs are ``model``'s of exactly its

@@ -47,8 +47,10 @@ class VLLMServer:
     """``python -m vllm.entrypoints.openai.api_server`` serving ``model_dir`` (float32,
     LoRA loadable at run time, processed log-probs), started and stopped by a test."""
 
-    def __init__(self, python: str, model_dir: str, log: Path, port: int | None = None):
-        self.python, self.model_dir, self.log = python, model_dir, log
+    def __init__(
+        self, python: str, model_dir: str, log: Path, port: int | None = None, api_key: str = ""
+    ):
+        self.python, self.model_dir, self.log, self.api_key = python, model_dir, log, api_key
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.process: subprocess.Popen | None = None
@@ -59,12 +61,15 @@ class VLLMServer:
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of RAM for the KV cache
             "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",  # its log lines reach the file as they are written
         }
         command = [self.python, "-m", "vllm.entrypoints.openai.api_server"]
         command += ["--model", self.model_dir, "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"]
         command += ["--enable-lora", "--max-lora-rank", "16", "--seed", "0"]
         command += ["--logprobs-mode", "processed_logprobs"]
+        if self.api_key:
+            command += ["--api-key", self.api_key]
         with open(self.log, "a") as out:
             self.process = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -72,7 +77,9 @@ class VLLMServer:
         deadline = time.time() + timeout_s
         while True:
             try:
-                urllib.request.urlopen(f"{self.url}/models", timeout=2)
+                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                request = urllib.request.Request(f"{self.url}/models", headers=headers)
+                urllib.request.urlopen(request, timeout=2)
                 return self
             except OSError:
                 if self.process.poll() is not None or time.time() > deadline:

@@ -16,6 +16,8 @@ import torch
 from engine_checks import (
     SAMPLING,
     check_continuous_collection,
+    check_stop_string,
+    check_tokens_logprobs_and_seeds,
     prompts,
     recomputed,
     save_small,
@@ -25,7 +27,7 @@ from vllm_server import VLLMServer, free_port, vllm_python
 
 import agentenv
 from agentenv.errors import EngineError, InvalidOptionError
-from agentenv.lm.engine import EngineConfig, SamplingConfig
+from agentenv.lm.engine import EngineConfig
 from envs.calculator import CalculatorEnv
 
 PYTHON, WHY = vllm_python()
@@ -62,9 +64,16 @@ def lora(model, r=4):
 # ---- what fails before a model loads (no server needed) ----------------------------
 
 
-def test_engine_server_needs_a_url():
+def test_engine_server_needs_a_url_and_its_key_variable_set(monkeypatch):
     with pytest.raises(InvalidOptionError, match="server_url"):
         EngineConfig(engine="server")
+    monkeypatch.delenv("AGENTENV_NO_SUCH_KEY", raising=False)
+    with pytest.raises(InvalidOptionError, match="export AGENTENV_NO_SUCH_KEY=<key>"):
+        EngineConfig(
+            engine="server",
+            server_url="http://127.0.0.1:1/v1",
+            server_api_key_env="AGENTENV_NO_SUCH_KEY",
+        )
     with pytest.raises(InvalidOptionError, match="server_timeout_s"):
         EngineConfig(engine="server", server_url="http://127.0.0.1:1/v1", server_timeout_s=0)
 
@@ -102,39 +111,18 @@ def test_train_refuses_full_fine_tuning_and_a_dead_server_before_loading_a_model
 @needs_server
 def test_tokens_and_logprobs_match_the_trainers_and_seeds_reproduce(tokenizer, server):
     model = small(tokenizer)
-    policy = policy_for(model, tokenizer, server)
-    rows = prompts(tokenizer)
-    got = policy.generate(rows, SAMPLING, seeds=[1, 2])
-    assert [len(g.token_ids) for g in got] == [16, 16]
-    assert [g.finish_reason for g in got] == ["length", "length"]
-    for prompt, g in zip(rows, got, strict=True):
-        assert g.text == tokenizer.decode(g.token_ids, skip_special_tokens=True)
-        want = recomputed(model, prompt, g)
-        torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
-    # a row's tokens depend on its seed, not on its batch
-    again = policy.generate([rows[1], rows[0], rows[1]], SAMPLING, seeds=[2, 1, 7])
-    assert again[0].token_ids == got[1].token_ids and again[1].token_ids == got[0].token_ids
-    assert again[2].token_ids != got[1].token_ids
-    # the log-probs of the distribution sampled from (--logprobs-mode processed_logprobs)
-    hot = SamplingConfig(max_new_tokens=8, temperature=2.0, stop_strings=[])
-    g = policy.generate([rows[0]], hot, seeds=[3])[0]
-    want = recomputed(model, rows[0], g, temperature=2.0)
-    torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
+    check_tokens_logprobs_and_seeds(policy_for(model, tokenizer, server), model, tokenizer)
 
 
 @needs_server
 def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tokenizer, server):
-    policy = policy_for(small(tokenizer), tokenizer, server)
-    prompt = prompts(tokenizer)[0]
-    free = policy.generate([prompt], SAMPLING, seeds=[5])[0]
-    stop = tokenizer.decode(free.token_ids[5:6])  # a string the seeded turn produces
-    assert stop.strip(), "pick a token with visible text"
-    first = next(i for i in range(16) if stop in tokenizer.decode(free.token_ids[: i + 1]))
-    cut = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=[stop])
-    got = policy.generate([prompt], cut, seeds=[5])[0]
-    assert got.finish_reason == "stop_string"
-    assert got.token_ids == free.token_ids[: first + 1]
-    assert got.sampler_logprobs == pytest.approx(free.sampler_logprobs[: first + 1], abs=1e-5)
+    model = small(tokenizer)
+    check_stop_string(policy_for(model, tokenizer, server), tokenizer)
+
+
+def _lora_loads(server) -> int:
+    """Adapters the server has loaded so far (its log says so for each)."""
+    return server.log.read_text().count("Loaded new LoRA adapter")
 
 
 def _listed(server) -> set[str]:
@@ -202,7 +190,7 @@ agentenv.register("KillsServer-v0", entry_point=KillsServer, override=True)
 
 @needs_server
 def test_a_server_dying_mid_rollout_stops_the_run_clearly_and_it_resumes(
-    tokenizer, model_dir, tmp_path
+    tokenizer, model_dir, tmp_path, monkeypatch
 ):
     from agentenv.run.config import TrainConfig
     from agentenv.run.tracking import read_metrics
@@ -233,15 +221,49 @@ def test_a_server_dying_mid_rollout_stops_the_run_clearly_and_it_resumes(
         first.stop()
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == ["step_000001", "step_000002"]  # nothing half-written
-    second = VLLMServer(PYTHON, model_dir, tmp_path / "second.log").start()
+    # the restarted server asks for an API key: the run reads it from the variable named
+    key = "sk-agentenv-test"
+    second = VLLMServer(PYTHON, model_dir, tmp_path / "second.log", api_key=key).start()
     try:
         generation = {"engine": "server", "server_url": second.url}
+        with pytest.raises(EngineError, match="answered 401"):
+            train(config=dataclasses.replace(config, generation=generation), resume=True)
+        monkeypatch.setenv("AGENTENV_TEST_SERVER_KEY", key)
+        generation["server_api_key_env"] = "AGENTENV_TEST_SERVER_KEY"
         train(config=dataclasses.replace(config, generation=generation), resume=True)
     finally:
         second.stop()
+    assert key not in (tmp_path / "run" / "config.json").read_text()
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
     assert all(r["rollout/tokens"] > 0 for r in rows)
     assert all(r["sampler/logprob_abs_diff_mean"] < 1e-3 for r in rows)
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints[-1] == "step_000003"
+
+
+@needs_server
+def test_agentenv_eval_on_the_server_with_an_adapter_unloads_it_after(
+    tokenizer, model_dir, server, tmp_path
+):
+    """``agentenv eval --engine server --adapter ...``: the adapter is what the server
+    samples (loaded before the first turn), and it is unloaded when eval ends."""
+    from agentenv.cli import main
+    from agentenv.run.evaluate import EvalReport
+
+    adapter = tmp_path / "adapter"
+    with torch.no_grad():
+        model = lora(small(tokenizer))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(adapter)
+    out = tmp_path / "eval.json"
+    loads = _lora_loads(server)
+    argv = ["eval", "Calculator-v0", "--model", model_dir, "--adapter", str(adapter)]
+    argv += ["--engine", "server", "--server-url", server.url, "--num-tasks", "2"]
+    argv += ["--max-new-tokens", "8", "--output", str(out)]
+    assert main(argv) == 0
+    assert len(EvalReport.load(out).per_task) == 2
+    assert _lora_loads(server) == loads + 1  # the adapter, once, before the first turn
+    assert not any(name.startswith("agentenv-") for name in _listed(server))

@@ -14,6 +14,8 @@ import torch
 from engine_checks import (
     SAMPLING,
     check_continuous_collection,
+    check_stop_string,
+    check_tokens_logprobs_and_seeds,
     prompts,
     recomputed,
     save_small,
@@ -22,7 +24,7 @@ from engine_checks import (
 from vllm_server import ROOT, vllm_python
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import EngineConfig, SamplingConfig
+from agentenv.lm.engine import EngineConfig
 from agentenv.lm.vllm_engine import merged_weights, vllm_missing
 
 missing = vllm_missing()
@@ -46,44 +48,13 @@ def start(model, tokenizer, model_dir):
 @needs_vllm
 def test_tokens_and_logprobs_match_the_trainers_and_seeds_reproduce(tokenizer, model_dir):
     model = small(tokenizer)
-    policy = start(model, tokenizer, model_dir)
-    rows = prompts(tokenizer)
-    got = policy.generate(rows, SAMPLING, seeds=[1, 2])
-    assert [len(g.token_ids) for g in got] == [16, 16]
-    assert [g.finish_reason for g in got] == ["length", "length"]
-    for prompt, g in zip(rows, got, strict=True):
-        assert g.text == tokenizer.decode(g.token_ids, skip_special_tokens=True)
-        torch.testing.assert_close(
-            torch.tensor(g.sampler_logprobs), recomputed(model, prompt, g), atol=1e-4, rtol=0
-        )
-    # a row's tokens depend on its seed, not on its batch
-    again = policy.generate([rows[1], rows[0], rows[1]], SAMPLING, seeds=[2, 1, 7])
-    assert again[0].token_ids == got[1].token_ids and again[1].token_ids == got[0].token_ids
-    assert again[2].token_ids != got[1].token_ids
-    # temperature changes the recorded log-probs: those of the distribution sampled from
-    hot = SamplingConfig(max_new_tokens=8, temperature=2.0, stop_strings=[])
-    g = policy.generate([rows[0]], hot, seeds=[3])[0]
-    want = recomputed(model, rows[0], g, temperature=2.0)
-    torch.testing.assert_close(torch.tensor(g.sampler_logprobs), want, atol=1e-4, rtol=0)
+    check_tokens_logprobs_and_seeds(start(model, tokenizer, model_dir), model, tokenizer)
 
 
 @needs_vllm
 def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tokenizer, model_dir):
-    policy = start(small(tokenizer), tokenizer, model_dir)
-    prompt = prompts(tokenizer)[0]
-    free = policy.generate([prompt], SAMPLING, seeds=[5])[0]
-    # a stop string the seeded turn is known to produce: the text of its 6th token on
-    k = 5
-    stop = tokenizer.decode(free.token_ids[k : k + 1])
-    assert stop.strip(), "pick a token with visible text"
-    first = next(
-        i for i in range(16) if stop in tokenizer.decode(free.token_ids[: i + 1])
-    )  # where the stop string is first complete
-    cut = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=[stop])
-    got = policy.generate([prompt], cut, seeds=[5])[0]
-    assert got.finish_reason == "stop_string"
-    assert got.token_ids == free.token_ids[: first + 1]
-    assert got.sampler_logprobs == pytest.approx(free.sampler_logprobs[: first + 1], abs=1e-5)
+    model = small(tokenizer)
+    check_stop_string(start(model, tokenizer, model_dir), tokenizer)
 
 
 @needs_vllm
