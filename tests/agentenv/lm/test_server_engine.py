@@ -251,16 +251,16 @@ def test_agentenv_eval_on_the_server_with_an_adapter_unloads_it_after(
     from agentenv.cli import main
     from agentenv.run.evaluate import EvalReport
 
-    adapter = tmp_path / "adapter"
+    checkpoint = tmp_path / "checkpoint"  # as agentenv sft / train write one
     with torch.no_grad():
         model = lora(small(tokenizer))
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    model.save_pretrained(adapter)
+    model.save_pretrained(checkpoint / "adapter")
     out = tmp_path / "eval.json"
     loads = _lora_loads(server)
-    argv = ["eval", "Calculator-v0", "--model", model_dir, "--adapter", str(adapter)]
+    argv = ["eval", "Calculator-v0", "--model", model_dir, "--adapter", str(checkpoint)]
     argv += ["--engine", "server", "--server-url", server.url, "--num-tasks", "2"]
     argv += ["--max-new-tokens", "8", "--output", str(out)]
     assert main(argv) == 0
