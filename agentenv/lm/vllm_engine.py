@@ -27,6 +27,7 @@ adds each episode's next turn to vLLM's engine as soon as its env has answered. 
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -108,6 +109,7 @@ class VLLMPolicy:
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._version: int | None = None  # nothing pushed yet: vLLM holds model_path's weights
         self.syncs = 0  # weight pushes so far
+        self._row_ids = itertools.count()  # request ids of decoder rows
         self.llm = _start(model_path, dtype, kv_cache_gb, max_model_len, enforce_eager, seed)
 
     # ---- weights -------------------------------------------------------------------
@@ -201,7 +203,6 @@ class EngineSteps:
         self.policy, self.sampling = policy, sampling
         self.engine = policy.llm.llm_engine
         self.keys: dict[str, Any] = {}  # request id -> the caller's key
-        self._count = 0
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -222,8 +223,9 @@ class EngineSteps:
         self.policy.refresh()
         params = self.policy._params(self.sampling, seed, max_new_tokens)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # the finished turn only
-        request_id = f"agentenv-row-{self._count}"
-        self._count += 1
+        # ids unique over the policy's life: rows a failed collection left in the engine
+        # never share one with a later decoder's
+        request_id = f"agentenv-row-{next(self.policy._row_ids)}"
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
         self.keys[request_id] = key
 
