@@ -135,16 +135,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer = _load_policy(run)
     label = run.label or (f"{run.model}+{run.adapter}" if run.adapter else run.model)
     policy = make_policy(run.generation, model, tokenizer, model_name=run.model, dtype=run.dtype)
-    report = evaluate(
-        lambda: make(run.env_id, split=run.eval.split, **run.env_kwargs),
-        policy,
-        ChatFormat(tokenizer),
-        run.eval,
-        label=label,
-        judge=judge,
-    )
-    if hasattr(policy, "close"):  # a server engine unloads the adapter it loaded
-        policy.close()
+    try:
+        report = evaluate(
+            lambda: make(run.env_id, split=run.eval.split, **run.env_kwargs),
+            policy,
+            ChatFormat(tokenizer),
+            run.eval,
+            label=label,
+            judge=judge,
+        )
+    finally:  # a vLLM engine shuts down; a server engine unloads the adapter it loaded
+        if hasattr(policy, "close"):
+            policy.close()
     print(format_table([report]))
     if run.output:
         report.save(run.output)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from agentenv.errors import InvalidOptionError
+from agentenv.errors import EngineError, InvalidOptionError
 from agentenv.lm.engine import (
     Generation,
     RunningBatch,
@@ -112,11 +112,21 @@ class VLLMPolicy:
         self._row_ids = itertools.count()  # request ids of decoder rows
         self.llm = _start(model_path, dtype, kv_cache_gb, max_model_len, enforce_eager, seed)
 
+    def close(self) -> None:
+        """Shut vLLM's engine down now (idempotent). Its parallel groups are this process's
+        globals: an engine left to the garbage collector tears them down whenever it is
+        collected, under a newer engine in the same process if one was started since."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
     # ---- weights -------------------------------------------------------------------
 
     def refresh(self) -> None:
         """Push the trained weights into vLLM if they changed since the last push (or
         were never pushed)."""
+        if self.llm is None:
+            raise EngineError("this VLLMPolicy was closed; start a new one to sample again")
         version = trainable_version(self._trainable)
         if self._version != version:
             self.sync()

@@ -216,56 +216,58 @@ def train(
         acc.wait_for_everyone()
         return report
 
-    before = None
-    if config.eval_tasks and start == 0:
-        before = run_eval("before")
-        if main:
-            logger.log(0, {f"eval/{k}": v for k, v in before.metrics.items()})
-    steps = range(start, config.steps)
-    bar = tqdm(steps, initial=start, total=config.steps, desc="train", disable=not main)
-    for step in bar:
-        t0 = time.perf_counter()
-        seeds = task_share(config.seed, step, config.batch_size, rank, world)
-        groups, metrics = collect(
-            train_env, seeds, policy, fmt, rollout, sample_seed=sampling_seed(config.seed, step)
-        )
-        models.release_memory()
-        t_learn = time.perf_counter()
-        metrics.update(algo.learn(groups))
-        metrics["time/learn_s"] = time.perf_counter() - t_learn
-        models.release_memory()
-        metrics.update(_episode_stats(groups))
-        done = step + 1
-        if (
-            config.eval_tasks
-            and config.eval_every
-            and done % config.eval_every == 0
-            and done < config.steps
-        ):
-            report = run_eval(f"step_{done}")
+    try:
+        before = None
+        if config.eval_tasks and start == 0:
+            before = run_eval("before")
             if main:
-                metrics.update({f"eval/{k}": v for k, v in report.metrics.items()})
-        metrics["time/step_s"] = time.perf_counter() - t0
-        if main:
-            logger.log(done, metrics)
-        if main and config.log_episodes:
-            adv = algo.last_advantages.flatten().tolist()  # the trained ones
-            eps = [e for g in groups for e in g]
-            logger.log_episodes(
-                done, eps[: config.log_episodes], tokenizer, adv[: config.log_episodes]
+                logger.log(0, {f"eval/{k}": v for k, v in before.metrics.items()})
+        steps = range(start, config.steps)
+        bar = tqdm(steps, initial=start, total=config.steps, desc="train", disable=not main)
+        for step in bar:
+            t0 = time.perf_counter()
+            seeds = task_share(config.seed, step, config.batch_size, rank, world)
+            groups, metrics = collect(
+                train_env, seeds, policy, fmt, rollout, sample_seed=sampling_seed(config.seed, step)
             )
-        if done % config.save_every == 0 or done == config.steps:
-            algo.save(ckpt_dir / f"step_{done:06d}")  # the main process writes, all wait
+            models.release_memory()
+            t_learn = time.perf_counter()
+            metrics.update(algo.learn(groups))
+            metrics["time/learn_s"] = time.perf_counter() - t_learn
+            models.release_memory()
+            metrics.update(_episode_stats(groups))
+            done = step + 1
+            if (
+                config.eval_tasks
+                and config.eval_every
+                and done % config.eval_every == 0
+                and done < config.steps
+            ):
+                report = run_eval(f"step_{done}")
+                if main:
+                    metrics.update({f"eval/{k}": v for k, v in report.metrics.items()})
+            metrics["time/step_s"] = time.perf_counter() - t0
             if main:
-                _prune(ckpt_dir, config.keep_checkpoints)
-        bar.set_postfix(
-            reward=f"{metrics['rewards/mean']:.2f}",
-            kl=f"{metrics['kl']:.3g}",
-            s_per_step=f"{metrics['time/step_s']:.0f}",
-        )
-    after = run_eval("after") if config.eval_tasks else None
-    if hasattr(policy, "close"):  # a server engine unloads this run's adapter
-        policy.close()
+                logger.log(done, metrics)
+            if main and config.log_episodes:
+                adv = algo.last_advantages.flatten().tolist()  # the trained ones
+                eps = [e for g in groups for e in g]
+                logger.log_episodes(
+                    done, eps[: config.log_episodes], tokenizer, adv[: config.log_episodes]
+                )
+            if done % config.save_every == 0 or done == config.steps:
+                algo.save(ckpt_dir / f"step_{done:06d}")  # the main process writes, all wait
+                if main:
+                    _prune(ckpt_dir, config.keep_checkpoints)
+            bar.set_postfix(
+                reward=f"{metrics['rewards/mean']:.2f}",
+                kl=f"{metrics['kl']:.3g}",
+                s_per_step=f"{metrics['time/step_s']:.0f}",
+            )
+        after = run_eval("after") if config.eval_tasks else None
+    finally:  # an engine that holds resources (a vLLM engine, a server's adapter)
+        if hasattr(policy, "close"):
+            policy.close()
     if not main:
         return run_dir
     if after is not None:

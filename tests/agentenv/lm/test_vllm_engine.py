@@ -36,31 +36,48 @@ def model_dir(tokenizer, tmp_path_factory):
     return save_small(tokenizer, tmp_path_factory.mktemp("vllm-tiny"))
 
 
-def start(model, tokenizer, model_dir):
+@pytest.fixture
+def start(model_dir):
+    """``start(model, tokenizer)``: a VLLMPolicy on the tiny model, shut down after the test
+    (vLLM's parallel groups are process globals: one engine at a time)."""
     from agentenv.lm.vllm_engine import VLLMPolicy
 
-    return VLLMPolicy(
-        model, tokenizer, model_path=model_dir, dtype="float32", kv_cache_gb=0.25,
-        max_model_len=512,
-    )  # fmt: skip
+    started = []
+
+    def start(model, tokenizer):
+        started.append(
+            VLLMPolicy(
+                model,
+                tokenizer,
+                model_path=model_dir,
+                dtype="float32",
+                kv_cache_gb=0.25,
+                max_model_len=512,
+            )  # fmt: skip
+        )
+        return started[-1]
+
+    yield start
+    for policy in started:
+        policy.close()
 
 
 @needs_vllm
-def test_tokens_and_logprobs_match_the_trainers_and_seeds_reproduce(tokenizer, model_dir):
+def test_tokens_and_logprobs_match_the_trainers_and_seeds_reproduce(tokenizer, start):
     model = small(tokenizer)
-    check_tokens_logprobs_and_seeds(start(model, tokenizer, model_dir), model, tokenizer)
+    check_tokens_logprobs_and_seeds(start(model, tokenizer), model, tokenizer)
 
 
 @needs_vllm
-def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tokenizer, model_dir):
+def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tokenizer, start):
     model = small(tokenizer)
-    check_stop_string(start(model, tokenizer, model_dir), tokenizer)
+    check_stop_string(start(model, tokenizer), tokenizer)
 
 
 @needs_vllm
-def test_after_an_optimizer_step_it_samples_from_the_new_weights(tokenizer, model_dir):
+def test_after_an_optimizer_step_it_samples_from_the_new_weights(tokenizer, start):
     model = small(tokenizer)
-    policy = start(model, tokenizer, model_dir)
+    policy = start(model, tokenizer)
     prompt = prompts(tokenizer)[0]
     before = policy.generate([prompt], SAMPLING, seeds=[1])[0]
     assert policy.syncs == 1  # pushed once, before the first generation
@@ -81,13 +98,13 @@ def test_after_an_optimizer_step_it_samples_from_the_new_weights(tokenizer, mode
 
 
 @needs_vllm
-def test_a_lora_model_is_sampled_with_its_adapter_merged(tokenizer, model_dir):
+def test_a_lora_model_is_sampled_with_its_adapter_merged(tokenizer, start):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(
         small(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
     )
-    policy = start(model, tokenizer, model_dir)
+    policy = start(model, tokenizer)
     prompt = prompts(tokenizer)[1]
     base = policy.generate([prompt], SAMPLING, seeds=[4])[0]  # lora_B is zero at init
     with torch.no_grad():
@@ -103,9 +120,33 @@ def test_a_lora_model_is_sampled_with_its_adapter_merged(tokenizer, model_dir):
 
 
 @needs_vllm
-def test_continuous_collection_adds_each_turn_to_vllms_engine(tokenizer, model_dir):
+def test_continuous_collection_adds_each_turn_to_vllms_engine(tokenizer, start):
     model = small(tokenizer)
-    check_continuous_collection(start(model, tokenizer, model_dir), model, tokenizer)
+    check_continuous_collection(start(model, tokenizer), model, tokenizer)
+
+
+@needs_vllm
+def test_a_closed_engine_refuses_to_sample_and_leaves_a_later_one_working(tokenizer, start):
+    """close() runs vLLM's teardown at once. Left to the garbage collector, a policy's
+    teardown ran whenever it was collected and took down the process-global parallel
+    groups under an engine started after it (a CI failure: "pipeline model parallel group
+    is not initialized"). Here the old engine's teardown is called again after a new
+    engine starts, as a late collection would: it must be a no-op."""
+    from agentenv.errors import EngineError
+
+    model = small(tokenizer)
+    prompt = prompts(tokenizer)[0]
+    first = start(model, tokenizer)
+    expected = first.generate([prompt], SAMPLING, seeds=[3])[0]
+    core = first.llm.llm_engine.engine_core  # what vLLM's finalizer shuts down
+    first.close()
+    first.close()  # idempotent
+    with pytest.raises(EngineError, match="closed"):
+        first.generate([prompt], SAMPLING, seeds=[3])
+    second = start(model, tokenizer)
+    core.shutdown()  # a late collection of the first engine
+    again = second.generate([prompt], SAMPLING, seeds=[3])[0]
+    assert again.token_ids == expected.token_ids
 
 
 def test_merged_weights_are_the_plain_models_names_and_values(tokenizer):
