@@ -41,6 +41,14 @@ class EngineError(AgentEnvError, RuntimeError):
     """A generation engine failed while running (e.g. its server stopped answering)."""
 
 
+class EnvFailureError(AgentEnvError, RuntimeError):
+    """Too many of a training step's episodes failed (their env raised or timed out)."""
+
+
+class CheckpointError(AgentEnvError, OSError):
+    """A checkpoint could not be written (a full disk, a read-only folder)."""
+
+
 class ToolDefinitionError(AgentEnvError, TypeError):
     """A Python function cannot be turned into a tool (missing types/docstring)."""
 

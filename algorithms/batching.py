@@ -17,7 +17,11 @@ from agentenv.rollout.episode import collate
 
 
 class EpisodeLike(Protocol):
-    """What :meth:`GRPO.learn` reads from an episode (``agentenv.rollout.episode.Episode``)."""
+    """What :meth:`GRPO.learn` reads from an episode (``agentenv.rollout.episode.Episode``).
+
+    An episode may also have a ``failed`` attribute: when true (its env raised, or it ran
+    past its time limit) it is left out of the update and of its group's baseline.
+    """
 
     input_ids: list[int]  # the whole episode: prompt, policy and environment tokens
     action_mask: list[int]  # 1 exactly on tokens the policy sampled

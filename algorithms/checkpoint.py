@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from agentenv.errors import InvalidOptionError
+from agentenv.errors import CheckpointError, InvalidOptionError
 from agentenv.lm.weights import is_sharded
 
 if TYPE_CHECKING:
@@ -154,6 +154,7 @@ def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
     if is_sharded(model):
         weights_state = _full_state_dict(model, adapters_only=trainer.config.use_lora)
         optimizer_state = get_optimizer_state_dict(model, trainer.optimizer, options=_FULL)
+    error: OSError | None = None
     if acc.is_main_process:
 
         def write(tmp: Path) -> None:
@@ -172,9 +173,21 @@ def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
             state = {"step": trainer.step, "config": dataclasses.asdict(trainer.config)}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, write, {"step": trainer.step})
-    acc.wait_for_everyone()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomically(path, write, {"step": trainer.step})
+        except OSError as exc:  # e.g. ENOSPC part-way: nothing of it is left behind
+            error = exc
+    # every process learns whether the write failed (a barrier, as wait_for_everyone)
+    failed = acc.reduce(torch.tensor([float(error is not None)], device=acc.device), "sum")
+    if failed.item():
+        previous = latest_checkpoint(path.parent)
+        cause = repr(error) if error is not None else "an error on the main process"
+        kept = f"the previous one ({previous}) is intact" if previous else "no earlier one exists"
+        raise CheckpointError(
+            f"could not write the checkpoint {path} ({cause}); none of it was kept and {kept}. "
+            "Free disk space (or fix the folder's permissions), then continue with --resume"
+        ) from error
     return path
 
 

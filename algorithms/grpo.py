@@ -39,6 +39,10 @@ Design decisions:
   ``beta == 0`` they are dropped before the forward pass and from every normaliser (DAPO's
   dynamic-sampling filter without resampling): the update equals that of the batch without
   them. With ``beta > 0`` they stay, since the KL term still applies.
+* **Failed episodes** (``episode.failed``: the env raised, or the episode ran past its
+  wall-clock limit) carry no learning signal: they are dropped like zero-variance groups,
+  and their group's baseline and std come from its other members (a group left with fewer
+  than 2 gets none). A flaky tool then neither rewards nor punishes the policy.
 * **Reference policy** (``beta > 0`` only): the policy as training starts. With a fresh
   LoRA adapter (B = 0) that is the same model under ``disable_adapter()``; with an adapter
   passed in (a warm start) a frozen copy of it, a second adapter on the same base (as
@@ -80,6 +84,13 @@ from algorithms.lora import quiet_peft
 from algorithms.losses import compute_advantages, kl_estimate, policy_loss
 from algorithms.rewards import episode_rewards
 from algorithms.trainer import Trainer
+
+
+def _failed(episode: EpisodeLike) -> bool:
+    """Whether an episode ended by a failure (``Episode.failed``: its env raised, or it ran
+    past its wall-clock limit); an episode without the attribute did not."""
+    return bool(getattr(episode, "failed", False))
+
 
 _CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -238,11 +249,14 @@ class GRPO(Trainer):
             episodes, env_rewards, cfg.reward_combination, lambda v: self._global(v, "sum")
         )
         group_baseline = cfg.advantage_baseline != "global_mean"
-        zero_std = (rewards == rewards[:, :1]).all(dim=1)  # (B,)
-        keep = [  # zero-variance groups carry no gradient under a group baseline
+        valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])  # (B, G)
+        high = rewards.masked_fill(~valid, float("-inf")).amax(dim=1)  # (B,)
+        low = rewards.masked_fill(~valid, float("inf")).amin(dim=1)
+        zero_std = (high == low) | (valid.sum(dim=1) < 2)  # (B,) over the valid members
+        keep = [  # failed episodes teach nothing; zero-variance groups under a group baseline
             i
             for i in range(len(episodes))
-            if cfg.beta > 0 or not group_baseline or not zero_std[i // g]
+            if valid.view(-1)[i] and (cfg.beta > 0 or not group_baseline or not zero_std[i // g])
         ]
         batches, totals, rows = self._micro_batches(episodes, keep, g)
         kl_stats: dict[str, float] = {}
@@ -251,8 +265,8 @@ class GRPO(Trainer):
             rewards_for_advantages = rewards - cfg.beta * penalty.view_as(rewards)  # (B, G)
         else:
             rewards_for_advantages = rewards
-        advantages = self._advantages(rewards_for_advantages)  # (B, G)
-        self.last_advantages = advantages  # what the loss sees; 0 for dropped groups
+        advantages = self._advantages(rewards_for_advantages, valid)  # (B, G)
+        self.last_advantages = advantages  # what the loss sees; 0 for dropped episodes
         flat = advantages.flatten()
         for mb, idx in zip(batches, rows, strict=True):
             if idx:  # a padding micro-batch keeps its zero advantage
@@ -272,7 +286,7 @@ class GRPO(Trainer):
             metrics["kl"] = kl_stats.get("kl", 0.0)
         metrics["sampler/logprob_abs_diff_mean"] = sums.get("sampler_diff", 0.0) / tokens
         metrics["grad_norm"] = sums.get("grad_norm", 0.0) / iters
-        metrics.update(self._batch_stats(rewards, advantages, zero_std, episodes))
+        metrics.update(self._batch_stats(rewards, advantages, zero_std, valid, episodes))
         metrics.update(kl_stats)
         metrics.update(component_stats)
         metrics["tokens_per_second"] = sums.get("processed", 0.0) / (time.perf_counter() - start)
@@ -285,6 +299,7 @@ class GRPO(Trainer):
         rewards: torch.Tensor,
         advantages: torch.Tensor,
         zero_std: torch.Tensor,
+        valid: torch.Tensor,
         episodes: list[EpisodeLike],
     ) -> dict[str, float]:
         """Reward/advantage statistics over the whole batch (all processes, any split)."""
@@ -302,6 +317,7 @@ class GRPO(Trainer):
                 zero_std.numel(),
                 policy_tokens,
                 all_tokens,
+                (~valid).sum(),
             ],
             "sum",
         )
@@ -313,6 +329,7 @@ class GRPO(Trainer):
             "advantages/std": max(s[3] / n - (s[2] / n) ** 2, 0.0) ** 0.5,
             "frac_reward_zero_std": s[5] / s[6],
             "trainable_ratio": s[7] / s[8],
+            "frac_failed": s[9] / n,
             "num_sequences": n,
         }
 
@@ -354,22 +371,24 @@ class GRPO(Trainer):
         }
         return batches, totals, rows
 
-    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """``compute_advantages`` with this config; global_mean's stats over every process."""
+    def _advantages(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``compute_advantages`` with this config; global_mean's stats over every process
+        (valid episodes only)."""
         cfg = self.config
         if cfg.reward_clip is not None:  # clipped once, for the batch stats and the rest
             rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
         batch_mean_std = None
         if cfg.advantage_baseline == "global_mean":
-            r = rewards.double()
+            r = rewards.double()[valid]
             total, squares, n = self._global([r.sum(), r.square().sum(), r.numel()], "sum")
-            mean = total / n
-            batch_mean_std = (mean, max(squares / n - mean**2, 0.0) ** 0.5)
+            mean = total / n if n else 0.0
+            batch_mean_std = (mean, max(squares / n - mean**2, 0.0) ** 0.5 if n else 0.0)
         return compute_advantages(
             rewards,
             cfg.advantage_norm,
             baseline=cfg.advantage_baseline,
             batch_mean_std=batch_mean_std,
+            valid=valid,
         )
 
     def _kl_penalty(

@@ -22,6 +22,7 @@ def compute_advantages(
     *,
     baseline: str = "group_mean",
     batch_mean_std: tuple[float, float] | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages of rewards ``(B, G)``: one row per group; returns ``(B, G)``.
 
@@ -32,6 +33,11 @@ def compute_advantages(
     baselines, the batch's for ``global_mean``. With a group baseline, rows whose rewards
     are all equal get exactly 0. ``batch_mean_std`` gives the batch's mean and std when the
     batch is spread over processes (default: those of ``rewards``).
+
+    ``valid`` (``(B, G)`` bool, default all true) marks the episodes that count: the
+    others (an env that raised, a timeout) get advantage 0 and are left out of every
+    mean, median and std, as if the group had only its valid members; a group with fewer
+    than 2 valid members gets 0 throughout.
     """
     if rewards.dim() != 2 or norm not in ADVANTAGE_NORMS or baseline not in ADVANTAGE_BASELINES:
         raise InvalidOptionError(
@@ -39,23 +45,48 @@ def compute_advantages(
             f"{ADVANTAGE_BASELINES}, got shape {tuple(rewards.shape)}, norm={norm!r}, "
             f"baseline={baseline!r}"
         )
+    if valid is None:
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+    elif valid.shape != rewards.shape or valid.dtype != torch.bool:
+        raise InvalidOptionError(
+            f"valid must be a bool tensor shaped like rewards {tuple(rewards.shape)}, got "
+            f"{valid.dtype} {tuple(valid.shape)}"
+        )
     if baseline == "global_mean":
         if batch_mean_std is None:
-            batch_mean_std = (rewards.mean().item(), rewards.std(correction=0).item())
+            kept = rewards[valid]
+            batch_mean_std = (
+                (kept.mean().item(), kept.std(correction=0).item()) if kept.numel() else (0.0, 0.0)
+            )
         mean, std = batch_mean_std
         advantages = rewards - mean  # (B, G)
         if norm == "mean_std":
             advantages = advantages / (std + eps)
-        return advantages
-    if baseline == "group_median":
-        base = rewards.quantile(0.5, dim=1, keepdim=True)  # (B, 1), interpolated
+        return advantages.masked_fill(~valid, 0.0)
+    if bool(valid.all()):  # every member counts: the plain group statistics
+        if baseline == "group_median":
+            base = rewards.quantile(0.5, dim=1, keepdim=True)  # (B, 1), interpolated
+        else:
+            base = rewards.mean(dim=1, keepdim=True)  # (B, 1)
+        advantages = rewards - base  # (B, G)
+        if norm == "mean_std":
+            advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
+        zero_std = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (B, 1)
+        return advantages.masked_fill(zero_std, 0.0)
+    count = valid.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1) valid members
+    mean = (rewards * valid).sum(dim=1, keepdim=True) / count  # (B, 1)
+    if baseline == "group_median":  # interpolated, over the valid members
+        base = rewards.masked_fill(~valid, float("nan")).nanquantile(0.5, dim=1, keepdim=True)
     else:
-        base = rewards.mean(dim=1, keepdim=True)  # (B, 1)
+        base = mean
     advantages = rewards - base  # (B, G)
     if norm == "mean_std":
-        advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
-    zero_std = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (B, 1)
-    return advantages.masked_fill(zero_std, 0.0)
+        var = ((rewards - mean).square() * valid).sum(dim=1, keepdim=True) / count  # (B, 1)
+        advantages = advantages / (var.sqrt() + eps)
+    high = rewards.masked_fill(~valid, float("-inf")).amax(dim=1, keepdim=True)  # (B, 1)
+    low = rewards.masked_fill(~valid, float("inf")).amin(dim=1, keepdim=True)
+    zero_std = (high == low) | (valid.sum(dim=1, keepdim=True) < 2)  # no signal in the group
+    return advantages.masked_fill(zero_std | ~valid, 0.0)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:

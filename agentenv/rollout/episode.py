@@ -37,6 +37,7 @@ from agentenv.errors import AgentEnvError
 
 _SENTINEL = "\u2063AGENTENV_SENTINEL\u2063"
 OVERFLOW_MARKER = "\n[... truncated to fit the context window ...]"
+FAILED_STOP_REASONS = ("env_error", "timeout")  # an episode cut short by a failure
 
 
 class ChatTemplateError(AgentEnvError):
@@ -162,7 +163,9 @@ class Episode:
             is 0.
         reward: The episode's scalar reward (a bandit: shared by all policy tokens).
         num_turns: Policy turns taken.
-        stop_reason: ``"terminated"``, ``"truncated"``, ``"max_turns"`` or ``"max_tokens"``.
+        stop_reason: ``"terminated"``, ``"truncated"``, ``"max_turns"`` or ``"max_tokens"``;
+            a failure (:attr:`failed`): ``"env_error"`` (the env raised; the error in
+            ``info["env_error"]``) or ``"timeout"`` (past the episode's wall-clock limit).
         info: The environment's last ``info``.
         messages: The chat for display (environment tool turns keep role ``tool``).
         group: Index of the GRPO group (task) within its batch.
@@ -187,6 +190,12 @@ class Episode:
                 f"input_ids, action_mask and sampler_logprobs must have equal lengths, got "
                 f"{n}, {len(self.action_mask)}, {len(self.sampler_logprobs)}"
             )
+
+    @property
+    def failed(self) -> bool:
+        """Whether the episode ended by a failure rather than by the policy or the env's
+        rules: no learning signal comes from it (:mod:`algorithms.grpo`)."""
+        return self.stop_reason in FAILED_STOP_REASONS
 
     @property
     def num_policy_tokens(self) -> int:

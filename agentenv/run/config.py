@@ -105,6 +105,12 @@ class TrainConfig(CommandConfig):
     seed: int = option(0, "Seed of task sampling, generation and LoRA init.")
     tensorboard: bool = option(True, "Write TensorBoard events.")
     wandb_project: str | None = option(None, "Log to this W&B project (needs `pip install wandb`).")
+    max_failed_fraction: float = option(
+        0.5,
+        "Failure budget: a step whose failed episodes (env raised, or past "
+        "rollout.episode_timeout_s) exceed this fraction stops the run before learning "
+        "(1: never stop). Failed episodes below it carry no learning signal.",
+    )
     rollout: RolloutConfig = option(
         _training_rollout(), "How episodes are collected and sampled (section)."
     )
@@ -120,6 +126,11 @@ class TrainConfig(CommandConfig):
                 raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0 or self.eval_tasks < 0 or self.log_episodes < 0:
             raise InvalidOptionError("eval_every, eval_tasks and log_episodes must be >= 0")
+        if not 0 <= self.max_failed_fraction <= 1:
+            raise InvalidOptionError(
+                f"max_failed_fraction must be in [0, 1] (1: never stop), got "
+                f"{self.max_failed_fraction}"
+            )
         profile_settings(self.profile)  # an unknown name fails here, naming the profiles
         if self.rollout.group_size < 2:
             raise InvalidOptionError(

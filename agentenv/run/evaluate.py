@@ -58,7 +58,9 @@ def summarize(groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
         "tool_error_rate": errors / calls if calls else 0.0,
         "mean_turns": sum(e.num_turns for e in episodes) / n_ep,
         "mean_tokens": sum(e.num_policy_tokens for e in episodes) / n_ep,
+        "failed_rate": sum(e.failed for e in episodes) / n_ep,  # counted as incorrect
         "env_error_rate": sum(e.stop_reason == "env_error" for e in episodes) / n_ep,
+        "timeout_rate": sum(e.stop_reason == "timeout" for e in episodes) / n_ep,
         "num_tasks": float(n_tasks),
         "samples": float(len(groups[0])),
     }

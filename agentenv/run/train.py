@@ -19,6 +19,7 @@ so a resumed run sees the same tasks, and draws the same tokens, as an uninterru
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -34,7 +35,7 @@ from tqdm.auto import tqdm
 
 from agentenv import config as config_lib
 from agentenv.env.registration import env_name
-from agentenv.errors import InvalidOptionError
+from agentenv.errors import EnvFailureError, InvalidOptionError
 from agentenv.lm.precision import resolve_dtype, training_dtype
 from agentenv.run.config import TrainConfig
 from agentenv.run.export import load_from_checkpoint
@@ -78,10 +79,39 @@ def _episode_stats(groups: list[list[Any]]) -> dict[str, float]:
         "episodes/max_turns": float(max(e.num_turns for e in eps)),
         "episodes/mean_policy_tokens": sum(e.num_policy_tokens for e in eps) / n,
         "episodes/unfinished_rate": sum(e.stop_reason != "terminated" for e in eps) / n,
+        "episodes/failed_rate": sum(e.failed for e in eps) / n,
         "turns/policy_tokens_mean": sum(e.num_policy_tokens for e in eps) / turns,
         "turns/tool_calls_mean": sum(e.info.get("num_tool_calls", 0) for e in eps) / turns,
         "turns/tool_errors_mean": sum(e.info.get("num_tool_errors", 0) for e in eps) / turns,
     }
+
+
+def _check_failures(
+    groups: list[list[Any]], budget: float, step: int, ckpt_dir: Path, acc: Any
+) -> None:
+    """Stop the run, before it learns from step ``step``, if more than ``budget`` of the
+    step's episodes (over every process) failed."""
+    import torch
+
+    eps = [e for g in groups for e in g]
+    failed = [e for e in eps if e.failed]
+    counts = torch.tensor([len(failed), len(eps)], device=acc.device)
+    counts = acc.reduce(counts, reduction="sum").tolist()
+    if counts[0] <= budget * counts[1]:
+        return
+    reasons = collections.Counter(e.stop_reason for e in failed)
+    first = next((e.info.get("env_error") for e in failed if "env_error" in e.info), None)
+    from algorithms.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(ckpt_dir)
+    raise EnvFailureError(
+        f"step {step}: {counts[0]} of {counts[1]} episodes failed "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))}"
+        + (f"; first error here: {first}" if first else "")
+        + f"), more than max_failed_fraction={budget}. Fix the env or its backend and "
+        + (f"continue with --resume (last checkpoint: {last})" if last else "start again")
+        + "; or raise --max-failed-fraction (failed episodes carry no learning signal)"
+    )
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
@@ -230,6 +260,7 @@ def train(
             groups, metrics = collect(
                 train_env, seeds, policy, fmt, rollout, sample_seed=sampling_seed(config.seed, step)
             )
+            _check_failures(groups, config.max_failed_fraction, step + 1, ckpt_dir, acc)
             models.release_memory()
             t_learn = time.perf_counter()
             metrics.update(algo.learn(groups))

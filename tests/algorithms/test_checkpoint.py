@@ -137,6 +137,57 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, use_lora):
     assert_same_optimizer_state(resumed.optimizer, uninterrupted.optimizer)
 
 
+def test_a_write_that_fills_the_disk_keeps_the_previous_checkpoint(
+    tmp_path, tokenizer, monkeypatch
+):
+    """ENOSPC part-way through a checkpoint (the optimizer file half written): a clear
+    error naming the cause, the intact previous checkpoint and the fix; nothing partial is
+    left; a failed re-save of a step keeps the old folder; resuming from the previous
+    checkpoint ends with the weights of an uninterrupted run."""
+    import errno
+    from pathlib import Path
+
+    from agentenv.errors import CheckpointError
+
+    cfg = config(beta=0.05)
+    uninterrupted = GRPO(build(tokenizer), tokenizer, cfg, total_steps=5, sampling=SAMPLING)
+    for seed in range(3):
+        uninterrupted.learn(make_groups(seed))
+    run = GRPO(build(tokenizer), tokenizer, cfg, total_steps=5, sampling=SAMPLING)
+    for seed in range(2):
+        run.learn(make_groups(seed))
+    run.save(tmp_path / "checkpoint-2")
+    run.learn(make_groups(2))
+    save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if str(f).endswith("optimizer.pt"):
+            Path(f).write_bytes(b"\0" * 1000)  # the part that fitted
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError) as caught:
+        run.save(tmp_path / "checkpoint-3")
+    message = str(caught.value)
+    assert "No space left on device" in message and "--resume" in message
+    assert f"the previous one ({tmp_path / 'checkpoint-2'}) is intact" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    with pytest.raises(CheckpointError):  # re-saving step 2's folder at step 3
+        run.save(tmp_path / "checkpoint-2")
+    assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text()) == {"step": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    monkeypatch.undo()
+
+    resumed = GRPO(build(tokenizer), tokenizer, cfg, total_steps=5, sampling=SAMPLING)
+    resumed.load(latest_checkpoint(tmp_path))
+    resumed.learn(make_groups(2))
+    for (name, a), b in zip(
+        resumed.model.named_parameters(), uninterrupted.model.parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
 def test_rng_states_are_restored(tmp_path, tokenizer):
     trainer = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
     random.seed(1), np.random.seed(1), torch.manual_seed(1)

@@ -28,6 +28,7 @@ METRIC_KEYS = {
     "rewards/mean",
     "rewards/std",
     "frac_reward_zero_std",
+    "frac_failed",
     "trainable_ratio",
     "entropy",
     "grad_norm",
@@ -100,6 +101,34 @@ def test_median_and_global_baselines_and_reward_clip_by_hand():
     torch.testing.assert_close(scaled, (rewards - 1.75) / (math.sqrt(var) + 1e-4))
     given = compute_advantages(rewards, "mean_std", baseline="global_mean", batch_mean_std=(1, 2))
     torch.testing.assert_close(given, (rewards - 1) / (2 + 1e-4))
+
+
+def test_failed_members_get_zero_and_leave_the_group_statistics_by_hand():
+    rewards = torch.tensor([[0.0, 1.0, 9.0, 3.0], [1.0, 5.0, 1.0, 1.0], [2.0, 0.0, 4.0, 4.0]])
+    valid = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
+    # group 0, valid (0, 1, 3): mean 4/3, population std sqrt((16 + 1 + 25) / 9 / 3)
+    # group 1, valid (1, 1, 1): no variance left -> 0; group 2: one valid member -> 0
+    mean0 = 4 / 3
+    std0 = math.sqrt(((0 - mean0) ** 2 + (1 - mean0) ** 2 + (3 - mean0) ** 2) / 3)
+    want = torch.tensor([[0 - mean0, 1 - mean0, 0.0, 3 - mean0], [0.0] * 4, [0.0] * 4])
+    got = compute_advantages(rewards, "mean_only", valid=valid)
+    torch.testing.assert_close(got, want)
+    scaled = compute_advantages(rewards, "mean_std", valid=valid)
+    torch.testing.assert_close(scaled, want / (std0 + 1e-4))
+    # the median of (0, 1, 3) is 1
+    median = compute_advantages(rewards, "mean_only", baseline="group_median", valid=valid)
+    torch.testing.assert_close(median[0], torch.tensor([-1.0, 0.0, 0.0, 2.0]))
+    # global mean over the 7 valid rewards: (0 + 1 + 3 + 1 + 1 + 1 + 4) / 7 = 11 / 7
+    flat = compute_advantages(rewards, "mean_only", baseline="global_mean", valid=valid)
+    torch.testing.assert_close(flat, (rewards - 11 / 7).masked_fill(~valid, 0.0))
+    # all valid: exactly the unmasked advantages
+    for norm in ("mean_std", "mean_only"):
+        everyone = torch.ones_like(valid)
+        torch.testing.assert_close(
+            compute_advantages(rewards, norm, valid=everyone), compute_advantages(rewards, norm)
+        )
+    with pytest.raises(InvalidOptionError, match="valid must be a bool tensor"):
+        compute_advantages(rewards, valid=valid[:2])
 
 
 def trained_advantages(trainer: GRPO, groups: list[list[Ep]]) -> list[float | None]:
@@ -569,6 +598,33 @@ def test_zero_variance_group_is_skipped_exactly(tokenizer):
     b.learn(groups[:1])
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb), name
+
+
+def test_a_failed_episode_is_left_out_exactly(tokenizer):
+    """A failed episode (its env raised; reward 5 from before the failure) changes nothing:
+    the update equals that of its group without it."""
+    from agentenv.lm.models import tiny_model as build
+
+    group = make_groups([[0, 1, 5, 0]], seed=3)[0]
+    group[2].failed = True
+    a = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
+    b = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
+    metrics = a.learn([group])
+    b.learn([[group[0], group[1], group[3]]])
+    assert metrics["frac_failed"] == 0.25
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    trainer = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
+    advantages = trained_advantages(trainer, [group])
+    assert advantages[2] is None  # in no micro-batch
+    assert trainer.last_advantages[0].tolist() == pytest.approx(
+        [
+            -1 / 3 / (math.sqrt(2) / 3 + 1e-4),
+            2 / 3 / (math.sqrt(2) / 3 + 1e-4),
+            0.0,
+            -1 / 3 / (math.sqrt(2) / 3 + 1e-4),
+        ]
+    )
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

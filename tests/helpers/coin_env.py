@@ -16,3 +16,27 @@ class CoinCalculator(CalculatorEnv):
 
 
 agentenv.register("CoinCalculator-v0", entry_point=CoinCalculator, override=True)
+
+
+class RankCrash(CoinCalculator):
+    """CoinCalculator whose process is SIGKILLed (a segfaulting tool, the OOM killer) at
+    its ``crash_at``-th step on rank 1 of a multi-process run, once: the crash leaves the
+    file ``$COIN_CRASH_MARKER`` behind, and a run that finds it does not crash again."""
+
+    calls = 0
+
+    def step(self, action):
+        import os
+        import signal
+        from pathlib import Path
+
+        RankCrash.calls += 1
+        marker = Path(os.environ["COIN_CRASH_MARKER"])
+        crash_at = int(os.environ.get("COIN_CRASH_AT", "5"))
+        if os.environ.get("RANK") == "1" and RankCrash.calls == crash_at and not marker.exists():
+            marker.write_text(repr(__import__("time").time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(action)
+
+
+agentenv.register("RankCrash-v0", entry_point=RankCrash, override=True)

@@ -100,6 +100,18 @@ def test_pass_at_k_from_groups():
     assert m["pass@2"] == pytest.approx((1 - 3 / 6) / 2)
     assert m["pass@4"] == pytest.approx(0.5)
     assert "pass@8" not in m
+    assert m["failed_rate"] == m["env_error_rate"] == m["timeout_rate"] == 0.0
+
+
+def test_failed_episodes_are_reported_apart_and_count_as_incorrect():
+    def ep(stop, correct=False):
+        return Episode([1, 2], [0, 1], [0.0, -1.0], stop_reason=stop, info={"correct": correct})
+
+    groups = [[ep("terminated", True), ep("env_error")], [ep("timeout"), ep("max_turns")]]
+    m = summarize(groups)
+    assert m["failed_rate"] == 0.5
+    assert m["env_error_rate"] == m["timeout_rate"] == 0.25
+    assert m["accuracy"] == 0.25
 
 
 def test_report_roundtrip_and_paired_compare(tmp_path):

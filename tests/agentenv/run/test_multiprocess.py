@@ -23,9 +23,11 @@ def test_process_shares_are_disjoint_and_cover_the_step():
         assert all(len(share) == 8 // world for share in shares)
 
 
-def launch(processes: int, out: Path, model: str, *extra: str) -> subprocess.CompletedProcess:
+def launch(
+    processes: int, out: Path, model: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])  # coin_env
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if processes > 1:
         cmd += ["--multi_gpu", "--num_processes", str(processes)]
@@ -85,6 +87,50 @@ def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_
     assert moved  # it learned: B starts at zero
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-4)
+
+
+def test_a_run_that_loses_a_rank_exits_promptly_and_resume_equals_an_uninterrupted_run(
+    tiny_model_dir, tmp_path
+):
+    """Rank 1 is SIGKILLed in step 2 (its env's 6th step, tests/helpers/coin_env.py): the
+    launch ends promptly with an error, step 1's checkpoint is the last, and ``--resume``
+    on 2 processes ends with the adapter and metrics of a run that was never killed."""
+    import time
+
+    from safetensors.torch import load_file
+
+    from agentenv.run.tracking import read_metrics
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    args = ("--import", "coin_env", "RankCrash-v0", "--steps", "3", "--batch-size", "4")
+    args += ("--learning-rate", "1e-2", "--log-episodes", "0")
+    never = tmp_path / "never"
+    never.write_text("")  # the marker exists: no crash
+    proc = launch(2, whole, tiny_model_dir, *args, env={"COIN_CRASH_MARKER": str(never)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    crash = {"COIN_CRASH_MARKER": str(tmp_path / "crashed"), "COIN_CRASH_AT": "6"}
+    proc = launch(2, split, tiny_model_dir, *args, env=crash)
+    exited = time.time()
+    assert proc.returncode != 0 and (tmp_path / "crashed").exists(), proc.stderr[-3000:]
+    killed = float((tmp_path / "crashed").read_text())
+    assert exited - killed < 30, f"the launch ended {exited - killed:.0f} s after the kill"
+    assert latest_checkpoint(split / "checkpoints").name == "step_000001"
+    assert [r["step"] for r in read_metrics(split)] == [1]
+
+    proc = launch(2, split, tiny_model_dir, *args, "--resume", env=crash)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    adapter = "checkpoints/step_000003/adapter/adapter_model.safetensors"
+    a, b = (load_file(run / adapter) for run in (whole, split))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # it learned something
+    timings = ("time/", "rollout/generate_s", "rollout/env_", "rollout/total_s")
+    timings += ("rollout/tokens_per", "tokens_per")
+    rows = [
+        [{k: v for k, v in r.items() if not k.startswith(timings)} for r in read_metrics(run)]
+        for run in (whole, split)
+    ]
+    assert rows[0] == rows[1] and [r["step"] for r in rows[0]] == [1, 2, 3]
 
 
 def test_the_sampler_gathers_fsdp2_sharded_lora_weights():

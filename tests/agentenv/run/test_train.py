@@ -484,3 +484,111 @@ def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkey
     if grpo.get("reward_clip"):  # what the loop wrote before: advantages of unclipped rewards
         rewards = torch.tensor([[ep.reward for ep in g] for g in groups])
         assert compute_advantages(rewards, "mean_only").flatten().tolist() != pytest.approx(want)
+
+
+FLAKY = {"fail": "never", "calls": 0}  # what Flaky-v0's steps do: never / every 3rd / always
+_flaky_lock = __import__("threading").Lock()
+
+
+def _flaky_env(**kwargs):  # noqa: ANN003, ANN202
+    """The word-problems Calculator behind a backend that fails now and then, as a new
+    user's env does: ``step`` raises a connection error (``FLAKY["fail"] == "third"``: every
+    third call; ``"always"``) or hangs for 5 s (``"hang"``: every third call)."""
+    import time
+
+    from envs.calculator.env import CalculatorEnv
+
+    class Flaky(CalculatorEnv):
+        def step(self, action):  # noqa: ANN001, ANN202
+            with _flaky_lock:
+                FLAKY["calls"] += 1
+                hit = FLAKY["fail"] == "always" or (
+                    FLAKY["fail"] in ("third", "hang") and FLAKY["calls"] % 3 == 0
+                )
+            if hit and FLAKY["fail"] == "hang":
+                time.sleep(5)
+            elif hit:
+                raise RuntimeError("flaky backend: connection reset")
+            obs, _, _, _, info = super().step(action)
+            return obs, float(len(action) % 3), True, False, info  # reward variance
+
+    return Flaky(**kwargs)
+
+
+@pytest.mark.parametrize("fail", ["third", "hang"])
+def test_failed_episodes_end_alone_and_teach_nothing(tiny_model_dir, tmp_path, monkeypatch, fail):
+    """A step that raises or hangs ends only its episode (env_error / timeout); the batch
+    goes on; the failed episodes get no advantage and no gradient."""
+    from algorithms.grpo import GRPO
+
+    agentenv.register("Flaky-v0", entry_point=_flaky_env, override=True)
+    monkeypatch.setitem(FLAKY, "fail", fail)
+    monkeypatch.setitem(FLAKY, "calls", 0)
+    trained = []
+    learn = GRPO.learn
+
+    def spy(self, groups):  # noqa: ANN001, ANN202
+        metrics = learn(self, groups)
+        trained.append((self.last_advantages.flatten().tolist(), groups, metrics))
+        return metrics
+
+    monkeypatch.setattr(GRPO, "learn", spy)
+    cfg = config(tiny_model_dir, tmp_path / "run", eval_tasks=0, log_episodes=0, seed=3)
+    rollout = {"group_size": 3, "max_turns": 1, "sampling": {"max_new_tokens": 6}}
+    if fail == "hang":
+        rollout["episode_timeout_s"] = 1.5
+    cfg = dataclasses.replace(cfg, env_id="Flaky-v0", rollout=rollout, max_failed_fraction=0.5)
+    run = train(config=cfg)
+    assert len(trained) == 2  # both steps learned
+    reason = "env_error" if fail == "third" else "timeout"
+    for advantages, groups, metrics in trained:
+        episodes = [e for g in groups for e in g]
+        failed = [e.failed for e in episodes]
+        assert sum(failed) == 2  # 6 single-step episodes, every third step fails
+        assert all(e.stop_reason == reason for e in episodes if e.failed)
+        assert all(a == 0.0 for a, f in zip(advantages, failed, strict=True) if f)
+        assert metrics["frac_failed"] == pytest.approx(2 / 6)
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["episodes/failed_rate"] for r in rows] == pytest.approx([2 / 6, 2 / 6])
+
+
+def test_a_step_over_the_failure_budget_stops_the_run_and_resume_goes_on(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Step 2's env fails on every action: the run stops before learning from it, naming
+    the counts, the first error and the fix; step 1's checkpoint is intact, and once the
+    env is healthy ``--resume`` finishes the run."""
+    agentenv.register("Flaky-v0", entry_point=_flaky_env, override=True)
+    monkeypatch.setitem(FLAKY, "fail", "never")
+    cfg = config(tiny_model_dir, tmp_path / "run", eval_tasks=0, log_episodes=0)
+    cfg = dataclasses.replace(cfg, env_id="Flaky-v0", max_failed_fraction=0.25)
+    from algorithms.grpo import GRPO
+
+    learn = GRPO.learn
+
+    def then_fail(self, groups):  # noqa: ANN001, ANN202
+        metrics = learn(self, groups)
+        FLAKY["fail"] = "always"  # the backend goes down after step 1
+        return metrics
+
+    monkeypatch.setattr(GRPO, "learn", then_fail)
+    from agentenv.errors import EnvFailureError
+
+    with pytest.raises(EnvFailureError) as caught:
+        train(config=cfg)
+    message = str(caught.value)
+    assert "step 2: 4 of 4 episodes failed (env_error 4" in message
+    assert "first error here: RuntimeError: flaky backend: connection reset" in message
+    assert "max_failed_fraction=0.25" in message and "--resume" in message
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_000001"
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1]
+    monkeypatch.setattr(GRPO, "learn", learn)
+    FLAKY["fail"] = "never"  # the backend is back
+    train(config=cfg, resume=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_000002"
+
+
+def test_max_failed_fraction_outside_0_1_is_a_clear_error(tmp_path):
+    with pytest.raises(InvalidOptionError, match="max_failed_fraction must be in \\[0, 1\\]"):
+        config("m", tmp_path, max_failed_fraction=1.5)
