@@ -94,9 +94,8 @@ class ToolExecutor:
         except (Exception, SystemExit) as exc:  # the tool's own bug: reported, episode goes on
             msg = f"tool '{call.name}' raised {type(exc).__name__}: {exc}"
             return self._error(call.name, "exception", msg, start)
-        content = truncate(
-            value if isinstance(value, str) else _to_text(value), self.max_output_chars
-        )
+        text = value if isinstance(value, str) else _to_text(value)
+        content = truncate(_encodable(text), self.max_output_chars)
         return ToolResult(call.name, content, None, time.perf_counter() - start)
 
     def _lookup(self, name: str | None) -> Tool:
@@ -127,8 +126,18 @@ class ToolExecutor:
         return box.get("value")
 
     def _error(self, name: str | None, kind: str, msg: str, start: float) -> ToolResult:
-        content = truncate(f"Error: {msg}", max(200, min(self.max_output_chars, 500)))
+        content = truncate(_encodable(f"Error: {msg}"), max(200, min(self.max_output_chars, 500)))
         return ToolResult(name, content, kind, time.perf_counter() - start)
+
+
+def _encodable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes: JSON arguments can hold
+    them (``"\\ud800"``) and tools echo them, but no tokenizer accepts them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _to_text(value: Any) -> str:

@@ -192,7 +192,7 @@ class ReActParser:
     def parse(self, text: str) -> ParsedAction:
         calls: list[ToolCall] = []
         answer: str | None = None
-        lines = text.splitlines()
+        lines = text.split("\n")  # not splitlines(): JSON strings may hold \x85, \u2028
         for i, line in enumerate(lines):
             stripped = line.strip()
             if stripped.startswith("Final Answer:"):

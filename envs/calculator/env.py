@@ -46,8 +46,9 @@ def parse_number(text: str) -> float | None:
     except ValueError:
         pass
     frac = re.fullmatch(r"(-?\d+)\s*/\s*(\d+)", cleaned)
-    if frac and int(frac.group(2)) != 0:
-        return int(frac.group(1)) / int(frac.group(2))
+    # as floats: int() refuses over 4300 digits and int / int overflows past ~1e308
+    if frac and float(frac.group(2)) != 0:
+        return float(frac.group(1)) / float(frac.group(2))
     numbers = _NUMBER.findall(cleaned)
     return float(numbers[-1]) if numbers else None
 

@@ -68,14 +68,18 @@ def resolve_path(root: str, path: str) -> str:
         path: What the agent wrote, e.g. ``"data/sales.csv"``; ``""`` means the root.
 
     Raises:
-        PathError: for absolute paths, ``~``, ``..``, NUL bytes, over-long paths and
-            paths (through symbolic links) that resolve outside ``root``.
+        PathError: for absolute paths, ``~``, ``..``, NUL bytes, lone surrogates, over-long
+            paths and paths (through symbolic links) that resolve outside ``root``.
     """
     if not isinstance(path, str):
         raise PathError(f"path must be a string, got {type(path).__name__}")
     hint = "use a path relative to the workspace root, e.g. 'notes.txt' or 'src/app.py'"
     if "\x00" in path:
         raise PathError(f"path {path[:80]!r} contains a NUL byte; {hint}")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:  # a lone surrogate from a JSON escape such as "\ud800"
+        raise PathError(f"path {path[:80]!r} is not valid text; {hint}") from None
     if len(path) > MAX_PATH_CHARS:
         raise PathError(f"path is {len(path)} characters long (limit {MAX_PATH_CHARS}); {hint}")
     if os.path.isabs(path):

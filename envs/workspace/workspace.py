@@ -180,7 +180,11 @@ MAX_PROGRAM_BYTES = 100_000  # below Linux's 128 KiB limit on one command-line a
 def _check_program(text: str, what: str, fix: str) -> None:
     if "\x00" in text:
         raise ToolArgumentError(f"the {what} contains a NUL byte; remove it")
-    size = len(text.encode("utf-8", errors="surrogatepass"))
+    try:
+        size = len(os.fsencode(text))  # what the command line of the sandbox gets
+    except UnicodeEncodeError as exc:  # a lone surrogate from a JSON escape such as "\ud800"
+        msg = f"the {what} is not valid text ({exc.reason}); send UTF-8"
+        raise ToolArgumentError(msg) from None
     if size > MAX_PROGRAM_BYTES:
         raise WorkspaceLimitError(
             f"the {what} is {size} bytes; the limit is {MAX_PROGRAM_BYTES}; {fix}"
