@@ -203,7 +203,9 @@ class RAGEnv(ToolEnv):
             cache_dir=cache_dir,
         )
         self._lock = threading.Lock()
-        self._episode = 0  # a search that outlives its episode (timeout) must not leak
+        # bumped after every step and at reset/close: a search that outlives its step (the
+        # tool timed out) must not add what it found to the episode after the fact
+        self._epoch = 0
         self._num_searches = 0
         self._queries: list[str] = []
         self._retrieved: list[Hit] = []
@@ -252,10 +254,10 @@ class RAGEnv(ToolEnv):
                     "answer in <answer>...</answer>"
                 )
             self._num_searches += 1
-            episode = self._episode
+            epoch = self._epoch
         hits = self.retriever.search(query.strip(), k)
         with self._lock:
-            if episode == self._episode:
+            if epoch == self._epoch:
                 self._queries.append(query)
                 self._retrieved.extend(hits)
         return self.format_hits(query, hits)
@@ -299,7 +301,7 @@ class RAGEnv(ToolEnv):
 
     def on_reset(self, task: Task) -> None:
         with self._lock:
-            self._episode += 1
+            self._epoch += 1
             self._num_searches = 0
             self._queries = []
             self._retrieved = []
@@ -331,13 +333,15 @@ class RAGEnv(ToolEnv):
 
     def step(self, action: str) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
         obs, reward, terminated, truncated, info = super().step(action)
+        with self._lock:
+            self._epoch += 1  # searches still running (timed out) record nothing now
         info["num_searches"] = self._num_searches
         return obs, reward, terminated, truncated, info
 
     def close(self) -> None:
         """Drop this episode's state; the shared retriever stays for other instances."""
         with self._lock:
-            self._episode += 1
+            self._epoch += 1
             self._queries, self._retrieved = [], []
         super().close()
 

@@ -147,6 +147,29 @@ def test_reward_components_are_documented_and_in_info(small_env_kwargs):
     assert info["qtype"] and info["gold"] == list(gold)
 
 
+def test_a_search_that_outlives_its_step_adds_nothing_to_the_reward(small_env_kwargs):
+    """A search past the tool's time limit is reported as a timeout; when it finishes later,
+    during the next step, its hits must not count as retrieved (the policy never saw them)."""
+    env = RAGEnv(**small_env_kwargs, tool_timeout_s=0.3)
+    env.reset(options={"task_id": 0})
+    real = env.retriever.search
+    started = threading.Event()
+
+    def slow(query, k=5):  # noqa: ANN001, ANN202
+        started.set()
+        time.sleep(0.8)
+        return real(query, k)
+
+    env.retriever = type("Slow", (), {"search": staticmethod(slow)})()
+    obs, _, _, _, info = env.step(search(env.task.prompt))
+    assert "timed out" in obs[0]["content"] and info["tool_errors"] == {"timeout": 1}
+    assert started.is_set()
+    time.sleep(1.0)  # the abandoned search finishes now, between steps
+    _, _, term, _, info = env.step(f"<answer>{env.task.answer[0]}</answer>")
+    assert term and info["num_searches"] == 1  # it was made (and counted against the limit)
+    assert info["retrieved_doc_ids"] == [] and info["retrieval_rr"] == 0.0
+
+
 def test_a_wrong_answer_never_beats_a_right_one(small_env_kwargs):
     env = RAGEnv(**small_env_kwargs)
     env.reset(options={"task_id": 0})
