@@ -39,17 +39,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 import agentenv  # noqa: E402
 from envs.rag import generate  # noqa: E402
-from envs.workspace import SandboxLimits  # noqa: E402
 
 ENVS = ("Calculator-v0", "RAG-v0", "Workspace-v0")
-WORKSPACE_LIMITS = SandboxLimits(
-    timeout_s=1.0,
-    memory_bytes=256 << 20,
-    file_size_bytes=4 << 20,
-    max_processes=12,
-    max_open_files=64,
-    max_output_bytes=16 << 10,
-)
 
 
 def make_env(env_id: str, sandbox: str, cache_dir: str) -> Any:
@@ -59,7 +50,7 @@ def make_env(env_id: str, sandbox: str, cache_dir: str) -> Any:
         kwargs = {"corpus": docs, "qa": qa, "retriever": "bm25", "chroma": "memory"}
         return agentenv.make(env_id, **kwargs, cache_dir=cache_dir)
     if env_id == "Workspace-v0":
-        return agentenv.make(env_id, sandbox=sandbox, limits=WORKSPACE_LIMITS, num_tasks=16)
+        return agentenv.make(env_id, sandbox=sandbox, limits=fa.WORKSPACE_LIMITS, num_tasks=16)
     return agentenv.make(env_id)
 
 

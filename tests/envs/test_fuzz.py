@@ -28,19 +28,10 @@ from agentenv.env.executor import ToolExecutor, truncate
 from agentenv.env.parsers import HermesParser, ParsedAction, ReActParser, ToolCall
 from envs.calculator import CalculatorEnv, CalculatorError, calculator, evaluate, format_number
 from envs.rag import generate
-from envs.workspace import SandboxLimits, SandboxUnavailableError, detect_backend
+from envs.workspace import SandboxUnavailableError, detect_backend
 
 EXAMPLES = int(os.environ.get("AGENTENV_FUZZ_EXAMPLES", "200"))
 CALCULATOR_TIMEOUT_S = inspect.signature(CalculatorEnv).parameters["tool_timeout_s"].default
-# Small sandbox limits keep runaway code (infinite loops, big output) cheap on 2 cores.
-WORKSPACE_LIMITS = SandboxLimits(
-    timeout_s=1.0,
-    memory_bytes=256 << 20,
-    file_size_bytes=4 << 20,
-    max_processes=12,
-    max_open_files=64,
-    max_output_bytes=16 << 10,
-)
 JSON_TYPES = (dict, list, str, int, float, bool, type(None))
 
 
@@ -258,7 +249,7 @@ def test_workspace_steps_stay_inside_the_root_and_leave_nothing_behind(mode):
         pytest.skip(f"{mode} sandbox unavailable here: {exc}")
     children = fa.live_children()
     with fa.OutsideGuard() as guard:
-        env = agentenv.make("Workspace-v0", sandbox=mode, limits=WORKSPACE_LIMITS, num_tasks=16)
+        env = agentenv.make("Workspace-v0", sandbox=mode, limits=fa.WORKSPACE_LIMITS, num_tasks=16)
         by_name = fa.argument_strings(outside=[guard.canary, guard.parent])
         file_tools = [t for t in env.tools if t.name in ("list_files", "read_file", "write_file")]
         stepper = fa.Stepper(env)

@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from agentenv.env.executor import truncate
 from agentenv.env.parsers import ReActParser
 from agentenv.env.tools import Tool
+from envs.workspace import SandboxLimits
 
 SLACK_S = 5.0
 """Seconds a step may take beyond its tool time limit: parsing, threads and process
@@ -105,6 +106,17 @@ TAG_PIECES = (
     "Final Answer: ", "Observation:", '{"name": ', '"calculator"', ', "arguments": ', "{", "}",
     '{"expression": "1+1"}', "\n", "[", "]", '"', "null",
 )  # fmt: skip
+
+
+# Small sandbox limits keep runaway code (infinite loops, big output) cheap on 2 cores.
+WORKSPACE_LIMITS = SandboxLimits(
+    timeout_s=1.0,
+    memory_bytes=256 << 20,
+    file_size_bytes=4 << 20,
+    max_processes=12,
+    max_open_files=64,
+    max_output_bytes=16 << 10,
+)
 
 
 @functools.cache  # one strategy object each: Hypothesis validates every new one
