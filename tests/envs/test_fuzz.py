@@ -237,7 +237,7 @@ def test_rag_steps_keep_every_invariant(tmp_path):
     env = agentenv.make(
         "RAG-v0", corpus=docs, qa=qa, retriever="bm25", chroma="memory", cache_dir=str(tmp_path)
     )
-    fuzz_env(fa.Stepper(env), 0.5)
+    fuzz_env(fa.Stepper(env), 1.0)
     env.close()
 
 
