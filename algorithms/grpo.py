@@ -184,6 +184,8 @@ class GRPO(Trainer):
                 "pass one inner sequence of G episodes per task (G = the rollout's group_size)"
             )
         for ep in episodes:
+            if _failed(ep):  # left out of the update; may hold no tokens (a failed reset)
+                continue
             n = len(ep.input_ids)
             if (
                 n < 2

@@ -19,7 +19,8 @@ turn), so an episode's tokens do not depend on which other episodes share its ba
 timing (up to the float rounding of batched kernels). A trajectory stops at
 ``terminated``, ``truncated``, ``max_turns``, when its token budget is spent, or past its
 wall-clock limit (``timeout``). An env step that raises ends only its own episode
-(``stop_reason="env_error"``, the error in ``info["env_error"]``).
+(``stop_reason="env_error"``, the error in ``info["env_error"]``); an env whose ``reset``
+raises gives an episode with no tokens and the same stop reason.
 
 :class:`~agentenv.lm.sampler.TransformersPolicy` records the log-prob of every sampled
 token under the exact distribution it was sampled from (after temperature / top-k /
@@ -55,7 +56,7 @@ from agentenv.rollout.episode import ChatFormat, Episode, EpisodeBuilder
 @dataclass
 class _Trajectory:
     env: gym.Env
-    builder: EpisodeBuilder
+    builder: EpisodeBuilder | None  # None: the env's reset raised (a failed episode)
     group: int
     seed: int
     member: int  # index in its group
@@ -110,7 +111,13 @@ def collect(
     for b, seed in enumerate(seeds):
         for member in range(config.group_size):
             env = make_env()
-            obs, info = env.reset(seed=seed, options=options[b])
+            try:
+                obs, info = env.reset(seed=seed, options=options[b])
+            except Exception as exc:  # noqa: BLE001 - a failed reset fails only this episode
+                error = {"env_error": f"{type(exc).__name__}: {exc}"}
+                trajs.append(_Trajectory(env, None, b, seed, member, done=True, info=error))
+                trajs[-1].stop_reason = "env_error"
+                continue
             builder = EpisodeBuilder(fmt, obs, config.max_episode_tokens)
             trajs.append(_Trajectory(env, builder, b, seed, member, info=info))
     sampling = config.sampling
@@ -120,7 +127,9 @@ def collect(
         sampling = dataclasses.replace(sampling, stop_strings=stops)
     clock = _Clock()
     bar = tqdm(total=len(trajs), desc="rollout", disable=not config.show_progress, leave=False)
-    ready: collections.deque[_Trajectory] = collections.deque(trajs)  # waiting for a turn
+    ready = collections.deque(t for t in trajs if not t.done)  # waiting for a turn
+    bar.update(len(trajs) - len(ready))
+    clock.env_errors += len(trajs) - len(ready)  # resets that raised
     stepping: dict[Future, _Trajectory] = {}  # env steps in the pool
     continuous = config.batching == "continuous" and hasattr(policy, "decoder")
     decoder = policy.decoder(sampling) if continuous else None
@@ -232,10 +241,11 @@ def collect(
             t.abandoned.add_done_callback(lambda _, env=t.env: env.close())
     groups: list[list[Episode]] = [[] for _ in seeds]
     for t in trajs:
+        outcome = {"reward": t.reward, "stop_reason": t.stop_reason, "info": t.info}
         groups[t.group].append(
-            t.builder.build(
-                reward=t.reward, stop_reason=t.stop_reason, info=t.info, group=t.group, seed=t.seed
-            )
+            Episode([], [], [], group=t.group, seed=t.seed, **outcome)  # no reset, no tokens
+            if t.builder is None
+            else t.builder.build(group=t.group, seed=t.seed, **outcome)
         )
     tokens = sum(e.num_policy_tokens for g in groups for e in g)
     metrics = {

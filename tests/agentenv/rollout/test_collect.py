@@ -131,6 +131,44 @@ def test_an_env_that_raises_ends_only_its_own_episode(tiny_model, tokenizer, bat
     assert all("env_error" not in e.info for e in others)
 
 
+class ResetFails(gym.Wrapper):
+    def reset(self, **kwargs):
+        raise TimeoutError("sandbox did not start")
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_an_env_whose_reset_raises_fails_only_its_episode_and_grpo_skips_it(
+    tiny_model, tokenizer, batching
+):
+    from algorithms.config import GRPOConfig
+    from algorithms.grpo import GRPO
+
+    made = []
+
+    def make():
+        made.append(None)
+        return ResetFails(make_env()) if len(made) == 3 else make_env()  # group 1, member 0
+
+    config = RolloutConfig(
+        group_size=2,
+        max_turns=2,
+        sampling=SamplingConfig(max_new_tokens=6),
+        show_progress=False,
+        batching=batching,
+    )
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    groups, metrics = collect(make, [4, 9], policy, ChatFormat(tokenizer), config)
+    bad = groups[1][0]
+    assert (bad.stop_reason, bad.failed, bad.input_ids, bad.num_turns) == ("env_error", True, [], 0)
+    assert bad.info == {"env_error": "TimeoutError: sandbox did not start"} and bad.seed == 9
+    assert metrics["rollout/env_errors"] == 1
+    assert all(e.num_turns == 2 and not e.failed for e in groups[0] + groups[1][1:])
+    sampling = SamplingConfig(max_new_tokens=6)
+    trainer = GRPO(tiny_model, tokenizer, GRPOConfig(learning_rate=1e-3), sampling=sampling)
+    out = trainer.learn(groups)  # the empty episode is left out, not rejected
+    assert out["frac_failed"] == 0.25 and trainer.last_advantages[1].tolist() == [0.0, 0.0]
+
+
 def test_sampler_logprobs_match_a_forward_pass(tiny_model, tokenizer):
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.9)
     _, groups, _ = rollout(tiny_model, tokenizer, sampling=sampling)
