@@ -41,6 +41,7 @@ import agentenv  # noqa: E402
 from envs.rag import generate  # noqa: E402
 
 ENVS = ("Calculator-v0", "RAG-v0", "Workspace-v0")
+CHUNK = 500  # examples per Hypothesis run
 
 
 def make_env(env_id: str, sandbox: str, cache_dir: str) -> Any:
@@ -77,15 +78,6 @@ def fuzz_env(env_id: str, n: int, sandbox: str, rng_seed: int, cache_dir: str) -
             violations[kind] += 1
             first.setdefault(kind, f"{v[:300]} [action {fa.short(action)}]")
 
-    @seed(rng_seed)
-    @settings(
-        max_examples=n,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(st.integers(0, 2**16), fa.actions(env.tools, env.parser, **strategy))
     def one_action(reset_seed: int, action: str) -> None:
         if stepper.done:
             record(stepper.reset(reset_seed), "(reset)")
@@ -100,9 +92,20 @@ def fuzz_env(env_id: str, n: int, sandbox: str, rng_seed: int, cache_dir: str) -
         if guard is not None:
             record(guard.check(env.workspace), action)
 
+    actions = fa.actions(env.tools, env.parser, **strategy)
     start = time.perf_counter()
     try:
-        one_action()
+        # in chunks, each a fresh Hypothesis run: one run of 10,000 examples keeps every
+        # example's choices (megabytes for the huge ones) and grew past 8 GB
+        for chunk, done in enumerate(range(0, n, CHUNK)):
+            run = settings(
+                max_examples=min(CHUNK, n - done),
+                database=None,
+                deadline=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )(given(st.integers(0, 2**16), actions)(one_action))
+            seed(rng_seed * 1_000_003 + chunk)(run)()
     finally:
         if guard is not None:
             record(fa.close_and_check(env, stepper, guard, children), "(close)")
