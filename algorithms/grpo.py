@@ -81,7 +81,7 @@ from algorithms.config import (
 )
 from algorithms.logprobs import forward_logprobs, token_logprobs
 from algorithms.lora import quiet_peft
-from algorithms.losses import compute_advantages, kl_estimate, policy_loss
+from algorithms.losses import compute_advantages, kl_estimate, policy_loss, without_signal
 from algorithms.rewards import episode_rewards
 from algorithms.trainer import Trainer
 
@@ -252,9 +252,7 @@ class GRPO(Trainer):
         )
         group_baseline = cfg.advantage_baseline != "global_mean"
         valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])  # (B, G)
-        high = rewards.masked_fill(~valid, float("-inf")).amax(dim=1)  # (B,)
-        low = rewards.masked_fill(~valid, float("inf")).amin(dim=1)
-        zero_std = (high == low) | (valid.sum(dim=1) < 2)  # (B,) over the valid members
+        zero_std = without_signal(rewards, valid)  # (B,) over the valid members
         keep = [  # failed episodes teach nothing; zero-variance groups under a group baseline
             i
             for i in range(len(episodes))

@@ -83,10 +83,16 @@ def compute_advantages(
     if norm == "mean_std":
         var = ((rewards - mean).square() * valid).sum(dim=1, keepdim=True) / count  # (B, 1)
         advantages = advantages / (var.sqrt() + eps)
-    high = rewards.masked_fill(~valid, float("-inf")).amax(dim=1, keepdim=True)  # (B, 1)
-    low = rewards.masked_fill(~valid, float("inf")).amin(dim=1, keepdim=True)
-    zero_std = (high == low) | (valid.sum(dim=1, keepdim=True) < 2)  # no signal in the group
+    zero_std = without_signal(rewards, valid)[:, None]  # (B, 1)
     return advantages.masked_fill(zero_std | ~valid, 0.0)
+
+
+def without_signal(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` bool: groups of ``rewards`` ``(B, G)`` whose ``valid`` members all have the
+    same reward, or that have fewer than 2 valid members (no group-relative signal)."""
+    high = rewards.masked_fill(~valid, float("-inf")).amax(dim=1)  # (B,)
+    low = rewards.masked_fill(~valid, float("inf")).amin(dim=1)
+    return (high == low) | (valid.sum(dim=1) < 2)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -115,8 +115,8 @@ def collect(
                 obs, info = env.reset(seed=seed, options=options[b])
             except Exception as exc:  # noqa: BLE001 - a failed reset fails only this episode
                 error = {"env_error": f"{type(exc).__name__}: {exc}"}
-                trajs.append(_Trajectory(env, None, b, seed, member, done=True, info=error))
-                trajs[-1].stop_reason = "env_error"
+                failed = {"done": True, "stop_reason": "env_error", "info": error}
+                trajs.append(_Trajectory(env, None, b, seed, member, **failed))
                 continue
             builder = EpisodeBuilder(fmt, obs, config.max_episode_tokens)
             trajs.append(_Trajectory(env, builder, b, seed, member, info=info))

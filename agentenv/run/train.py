@@ -91,8 +91,6 @@ def _check_failures(
 ) -> None:
     """Stop the run, before it learns from step ``step``, if more than ``budget`` of the
     step's episodes (over every process) failed."""
-    import torch
-
     eps = [e for g in groups for e in g]
     failed = [e for e in eps if e.failed]
     counts = torch.tensor([len(failed), len(eps)], device=acc.device)
