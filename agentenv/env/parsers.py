@@ -23,6 +23,25 @@ from typing import Any, Protocol, runtime_checkable
 
 from agentenv.env.tools import Tool
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of lists/objects in a tool call's arguments (the arguments object is
+level 1): deeper JSON is an error call (``json`` parses ~1,000 levels, but tools, loggers and JSONL writers that recurse
+over a value deeper than Python's stack allows raise ``RecursionError``)."""
+
+
+def _loads(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads``; raises ``RecursionError`` past ``max_depth`` levels."""
+    value = json.loads(text)
+    stack = [(value, 1)]
+    while stack:  # iterative: the check itself must not recurse
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > max_depth:
+                raise RecursionError(f"nested deeper than {max_depth} levels")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return value
+
 
 @dataclass
 class ToolCall:
@@ -95,10 +114,12 @@ def _call_from_json(payload: str, example: str) -> ToolCall:
     """Build a ToolCall from a ``{"name": ..., "arguments": {...}}`` JSON payload."""
     raw = _shorten(payload)
     try:
-        obj = json.loads(payload)
+        obj = _loads(payload, MAX_JSON_DEPTH + 1)  # the arguments sit inside the payload
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, over-long ints, deep nesting
         reason = getattr(exc, "msg", None) or (
-            "nested too deeply" if isinstance(exc, RecursionError) else "number too long"
+            f"nested deeper than {MAX_JSON_DEPTH} levels"
+            if isinstance(exc, RecursionError)
+            else "number too long"
         )
         return ToolCall(None, raw=raw, error=f"tool call is not valid JSON ({reason}); {example}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -106,7 +127,7 @@ def _call_from_json(payload: str, example: str) -> ToolCall:
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models JSON-encode the arguments twice
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = _loads(args) if args.strip() else {}
         except (ValueError, RecursionError):
             pass  # left as a string: the executor reports "must be a JSON object"
     return ToolCall(obj["name"], args, raw=raw)
@@ -207,7 +228,7 @@ class ReActParser:
                     continue
                 args_text = nxt[len("Action Input:") :].strip() or "{}"
                 try:
-                    calls.append(ToolCall(name, json.loads(args_text), raw=_shorten(stripped)))
+                    calls.append(ToolCall(name, _loads(args_text), raw=_shorten(stripped)))
                 except (ValueError, RecursionError):
                     calls.append(
                         ToolCall(

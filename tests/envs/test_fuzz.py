@@ -25,7 +25,13 @@ from hypothesis import strategies as st
 
 import agentenv
 from agentenv.env.executor import ToolExecutor, truncate
-from agentenv.env.parsers import HermesParser, ParsedAction, ReActParser, ToolCall
+from agentenv.env.parsers import (
+    MAX_JSON_DEPTH,
+    HermesParser,
+    ParsedAction,
+    ReActParser,
+    ToolCall,
+)
 from envs.calculator import CalculatorEnv, CalculatorError, calculator, evaluate, format_number
 from envs.rag import generate
 from envs.workspace import SandboxUnavailableError, detect_backend
@@ -45,12 +51,23 @@ def fuzz(share: float = 1.0) -> settings:
     )
 
 
-def is_json_value(value: object) -> bool:
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and is_json_value(v) for k, v in value.items())
-    if isinstance(value, list):
-        return all(is_json_value(v) for v in value)
-    return isinstance(value, JSON_TYPES)
+def json_problem(value: object) -> str | None:
+    """Why ``value`` is no JSON value within ``MAX_JSON_DEPTH`` levels (iterative: a
+    recursive check overflows the stack on deep values, and flakily, with the stack's depth)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                return f"nested deeper than {MAX_JSON_DEPTH}"
+            if isinstance(item, dict) and not all(isinstance(k, str) for k in item):
+                return f"non-str key in {item!r:.80}"
+            stack.extend(
+                (v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+            )
+        elif not isinstance(item, JSON_TYPES):
+            return f"not JSON: {item!r:.80}"
+    return None
 
 
 def parse_problems(parser, parsed) -> list[str]:
@@ -67,8 +84,9 @@ def parse_problems(parser, parsed) -> list[str]:
         if not isinstance(call, ToolCall) or not isinstance(call.raw, str):
             out.append(f"bad call {call!r}")
         elif call.error is None:  # parsed: a str name and the JSON arguments
-            if not isinstance(call.name, str) or not is_json_value(call.arguments):
-                out.append(f"parsed call {call.name!r} / {call.arguments!r}")
+            problem = json_problem(call.arguments)
+            if not isinstance(call.name, str) or problem:
+                out.append(f"parsed call {call.name!r:.80}: {problem}")
         elif call.name is not None or not isinstance(call.error, str) or not call.error:
             out.append(f"malformed call {call.name!r} with error {call.error!r}")
     return out

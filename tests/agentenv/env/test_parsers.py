@@ -7,7 +7,14 @@ import time
 
 import pytest
 
-from agentenv.env.parsers import ActionParser, HermesParser, ParsedAction, ReActParser, ToolCall
+from agentenv.env.parsers import (
+    MAX_JSON_DEPTH,
+    ActionParser,
+    HermesParser,
+    ParsedAction,
+    ReActParser,
+    ToolCall,
+)
 from agentenv.env.tools import tool
 
 
@@ -275,6 +282,25 @@ def test_hermes_deeply_nested_json_is_an_error(hermes):
 def test_hermes_deeply_nested_closed_json_is_an_error(hermes):
     call = _only_error(hermes.parse("<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>"))
     assert "not valid JSON" in call.error
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), ReActParser()], ids=["hermes", "react"])
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1, 500, 990])
+def test_arguments_deeper_than_the_limit_are_an_error(parser, depth):
+    # 500 and 990 levels parse with json.loads, but overflow code that recurses over them
+    # (a CI run failed on one in a test's own recursive check)
+    inner = "[" * (depth - 1) + "]" * (depth - 1)  # the arguments object is level 1
+    if isinstance(parser, HermesParser):
+        text = f'<tool_call>{{"name": "f", "arguments": {{"a": {inner}}}}}</tool_call>'
+    else:
+        text = f'Action: f\nAction Input: {{"a": {inner}}}'
+    (call,) = parser.parse(text).tool_calls
+    if depth <= MAX_JSON_DEPTH:
+        assert call.error is None and call.name == "f"
+    else:
+        assert call.name is None and "not valid JSON" in call.error
+        if isinstance(parser, HermesParser):
+            assert f"nested deeper than {MAX_JSON_DEPTH} levels" in call.error
 
 
 def test_hermes_huge_integer_does_not_raise(hermes):
