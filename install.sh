@@ -44,6 +44,11 @@ fi
 #    naming the missing package, when these cannot install).
 "$PY" -m pip install -e ".[trl,skyrl,verifiers]" \
   || echo "install.sh: trl / skyrl-gym / verifiers did not install; their tests will skip"
+"$PY" -m pip install -e ".[openenv]" \
+  || echo "install.sh: openenv-core did not install; agentenv serve and its tests will skip"
+# gem-llm without its pins (reasoning-gym==0.1.23 would replace agentenv's newer one)
+"$PY" -m pip install --no-deps "gem-llm==0.1.0" \
+  || echo "install.sh: gem-llm did not install; the GEM tests will skip"
 # 5. optional (--vllm): vLLM, agentenv and TRL in a venv of their own, .venv-vllm/: vLLM's
 #    OpenAI server for --engine server, --engine vllm (docs/training.md#engines), and TRL
 #    with use_vllm for benchmarks/grpo_step.py --engines vllm.

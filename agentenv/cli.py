@@ -8,6 +8,7 @@ agentenv eval ENV_ID --model M             accuracy, pass@k, tool use on a split
 agentenv plot RUN_DIR                      redraw a run's plots
 agentenv show RUN_DIR [--step N]           HTML view of sampled episodes, token by token
 agentenv export CHECKPOINT OUT             a plain HF model folder (LoRA merged in float32)
+agentenv serve ENV_ID --port N             an env as an OpenEnv server (a session per client)
 agentenv quickstart                        SFT -> GRPO -> eval on the default, in minutes
 """
 
@@ -159,6 +160,26 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     out = export_checkpoint(args.checkpoint, args.out, model=args.model, dtype=args.dtype)
     print(f"exported {args.checkpoint} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from agentenv.integrations.openenv import app
+    except ImportError as exc:
+        raise InvalidOptionError(
+            f"agentenv serve needs OpenEnv: {exc}; `pip install 'agentenv[openenv]'`"
+        ) from exc
+    application = app(
+        args.env_id,
+        max_sessions=args.max_sessions,
+        step_timeout_s=args.step_timeout_s or None,
+        **args.env_kwargs,
+    )
+    print(f"serving {args.env_id} on http://{args.host}:{args.port} (OpenEnv; Ctrl-C stops)")
+    uvicorn.run(application, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -379,6 +400,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights dtype; bfloat16 rounds away most of a small LoRA update",
     )
     p.set_defaults(fn=_cmd_export)
+
+    p = _command(sub, "serve", help="serve an env as an OpenEnv server")
+    p.add_argument("env_id", help="a registered env id (agentenv list)")
+    p.add_argument(
+        "--env-kwargs",
+        type=config_lib.parse_json_object,
+        default={},
+        help='env constructor arguments as JSON; "split" is the default split of reset',
+    )
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-sessions", type=int, default=64, help="most concurrent sessions (envs)")
+    p.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=60.0,
+        help="a longer step ends its episode as 'timeout' (0: no limit)",
+    )
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.set_defaults(fn=_cmd_serve)
 
     p = _command(sub, "plot", help="redraw RUN_DIR/plots/*.png")
     p.add_argument("run_dir")

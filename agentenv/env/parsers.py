@@ -25,8 +25,8 @@ from agentenv.env.tools import Tool
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of lists/objects in a tool call's arguments (the arguments object is
-level 1): deeper JSON is an error call (``json`` parses ~1,000 levels, but tools, loggers and JSONL writers that recurse
-over a value deeper than Python's stack allows raise ``RecursionError``)."""
+level 1): deeper JSON is an error call. ``json`` parses ~1,000 levels, but tools, loggers
+and JSONL writers that recurse over a value that deep overflow Python's stack."""
 
 
 def _loads(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
@@ -182,6 +182,19 @@ class HermesParser:
         answer = answers[-1].strip() if answers else None
         return ParsedAction(tool_calls=calls, answer=answer)
 
+    def format_action(self, tool_calls: Sequence[ToolCall] = (), answer: str | None = None) -> str:
+        """The text that makes ``tool_calls`` (each one's ``name`` and ``arguments``) and
+        gives ``answer``: :meth:`parse` reads back the same calls and answer. Used where
+        actions arrive structured (``agentenv.integrations.openenv``)."""
+        parts = []
+        for call in tool_calls:
+            payload = json.dumps({"name": call.name, "arguments": call.arguments})
+            payload = payload.replace("<", "\\u003c")  # a "<" only occurs in JSON strings
+            parts.append(f"<tool_call>{payload}</tool_call>")
+        if answer is not None:
+            parts.append(f"<{self.answer_tag}>{answer}</{self.answer_tag}>")
+        return "\n".join(parts)
+
     def format_instructions(self, tools: Sequence[Tool]) -> str:
         lines = [
             "You can call these tools:",
@@ -209,6 +222,16 @@ class ReActParser:
     def stop_strings(self) -> tuple[str, ...]:
         """ReAct's classic stop: the model must not write the observation itself."""
         return ("Observation:",)
+
+    def format_action(self, tool_calls: Sequence[ToolCall] = (), answer: str | None = None) -> str:
+        """The text that makes ``tool_calls`` and gives ``answer`` (see
+        :meth:`HermesParser.format_action`); ``answer`` must be one line."""
+        lines = []
+        for call in tool_calls:
+            lines += [f"Action: {call.name}", f"Action Input: {json.dumps(call.arguments)}"]
+        if answer is not None:
+            lines.append(f"Final Answer: {answer}")
+        return "\n".join(lines)
 
     def parse(self, text: str) -> ParsedAction:
         calls: list[ToolCall] = []

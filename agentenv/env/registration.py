@@ -169,6 +169,8 @@ def _register_bundled() -> None:
         "Calculator-v0": "envs.calculator:CalculatorEnv",
         "RAG-v0": "envs.rag:RAGEnv",
         "Workspace-v0": "envs.workspace:WorkspaceEnv",
+        # any OpenEnv server, ours (`agentenv serve`) or another: make(..., base_url=...)
+        "OpenEnv-v0": "agentenv.integrations.openenv:OpenEnvClientEnv",
     }
     for name, entry_point in bundled.items():
         if full_id(name) not in gym.registry:

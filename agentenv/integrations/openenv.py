@@ -1,0 +1,482 @@
+"""agentenv envs served as OpenEnv environments, and OpenEnv servers used as agentenv envs.
+
+OpenEnv (``pip install 'agentenv[openenv]'``, PyPI ``openenv-core``) runs an environment as a
+server: a WebSocket session per client, each with its own env instance, speaking
+``reset`` / ``step`` / ``state``. TRL, SkyRL and verifiers consume such servers.
+
+**Serve** any registered env (bundled or your own) with ``agentenv serve ENV_ID --port N``,
+or build the app with :func:`app` and run it under any ASGI server. Each session owns one
+agentenv env, closed (a Workspace's sandbox removed) when the session ends, however it ends.
+A step is one of (see :class:`AgentEnvAction`):
+
+* ``{"text": "..."}``: the model's whole message, parsed by the env's parser, exactly as
+  in agentenv's own loop;
+* ``{"tool": "calculator", "arguments": {"expression": "2+2"}}``: one tool call;
+* ``{"answer": "4"}``: the final answer, which ends the episode with the env's reward.
+
+Every observation (:class:`AgentEnvObservation`) carries the env's new ``messages``, its
+``reward`` and ``done``, ``correct`` once the episode ends, and the env's ``info``
+(``task_id``, ``turn``, ``stop_reason``; a field of its own: openenv-core 0.3 sends no
+``metadata``). ``reset(seed=, task_id=, split=)``
+picks the task. A step that runs longer than the server's ``step_timeout_s`` (or the
+request's ``timeout_s``, if shorter) ends the episode with ``stop_reason="timeout"``; a
+step that raises ends it with ``stop_reason="env_error"``: as in agentenv's rollouts, the
+failure ends one episode, not the server.
+
+**Connect** to a server with :class:`OpenEnvClientEnv`, registered as ``OpenEnv-v0``::
+
+    env = agentenv.make("OpenEnv-v0", base_url="http://127.0.0.1:8000")
+    agentenv train OpenEnv-v0 --env-kwargs '{"base_url": "http://127.0.0.1:8000"}'
+
+so agentenv's GRPO trains on a remote env. A server that is not agentenv's works too:
+``action_field`` names the action field that receives the model's text and ``num_tasks``
+how many seeds make its tasks (task ``i`` is ``reset(seed=i)``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, ClassVar, SupportsFloat
+
+from agentenv.env.core import SPLITS, TextEnv, ToolEnv
+from agentenv.env.parsers import ToolCall
+from agentenv.env.registration import make
+from agentenv.env.spaces import Message
+from agentenv.errors import AgentEnvError, InvalidOptionError
+
+try:
+    from openenv.core.env_server import create_app
+    from openenv.core.env_server.interfaces import Environment
+    from openenv.core.env_server.types import Action, Observation, State
+    from pydantic import Field
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        f"agentenv.integrations.openenv needs OpenEnv ({exc}); install it with "
+        "`pip install 'agentenv[openenv]'` (PyPI openenv-core)"
+    ) from exc
+
+__all__ = [
+    "AgentEnvAction",
+    "AgentEnvObservation",
+    "AgentEnvServer",
+    "AgentEnvState",
+    "OpenEnvClientEnv",
+    "app",
+]
+
+INFO_ROUTE = "/agentenv/info"
+"""GET: the served env's id, tools, stop strings and task counts (what a client needs)."""
+
+
+class AgentEnvAction(Action):
+    """One step: exactly one of ``text``, ``tool`` (with ``arguments``) or ``answer``."""
+
+    text: str | None = Field(
+        default=None,
+        description="The model's whole message, parsed by the env's parser (tool calls and/or "
+        "the final answer), as agentenv's own loop steps.",
+    )
+    tool: str | None = Field(default=None, description="Name of one tool to call.")
+    arguments: dict[str, Any] = Field(
+        default_factory=dict, description="The tool's arguments (with `tool`)."
+    )
+    answer: str | None = Field(
+        default=None, description="The final answer: ends the episode with its reward."
+    )
+
+    def problem(self) -> str | None:
+        """What makes this action invalid, or ``None`` (checked by the server's ``step``: a
+        pydantic validator's error would end the client's session in openenv-core 0.3)."""
+        given = [k for k in ("text", "tool", "answer") if getattr(self, k) is not None]
+        if len(given) != 1:
+            return (
+                f"an action sets exactly one of text, tool or answer; got {given or 'none'}: "
+                'e.g. {"tool": "calculator", "arguments": {"expression": "2+2"}}'
+            )
+        if self.arguments and self.tool is None:
+            return "arguments go with a tool call; set tool too"
+        return None
+
+
+class AgentEnvObservation(Observation):
+    """The env's new messages, ``correct`` once the episode is over, and the env's info.
+
+    ``reward`` and ``done`` are OpenEnv's fields.
+    """
+
+    messages: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="reset: the system prompt and the task; step: tool results or feedback.",
+    )
+    correct: bool | None = Field(default=None, description="Set when the episode ends.")
+    info: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The env's info: task_id, turn, tool-call counts; stop_reason (answer, "
+        "max_turns, timeout, env_error) and error when the episode ends.",
+    )
+
+
+class AgentEnvState(State):
+    """``episode_id`` and ``step_count`` (OpenEnv's), and where the episode stands."""
+
+    env_id: str = ""
+    split: str = "train"
+    task_id: int | None = None
+    done: bool = True
+    total_reward: float = 0.0
+
+
+class AgentEnvServer(Environment):
+    """One OpenEnv session: one agentenv env, made on the first ``reset``.
+
+    :func:`app` makes a subclass per served env that sets the class attributes (OpenEnv
+    creates sessions by calling the class with no arguments).
+    """
+
+    SUPPORTS_CONCURRENT_SESSIONS: ClassVar[bool] = True  # every instance owns its env
+    env_id: ClassVar[str] = ""
+    env_kwargs: ClassVar[dict[str, Any]] = {}
+    step_timeout_s: ClassVar[float | None] = 60.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._env: Any = None  # the gym-wrapped agentenv env
+        self._pool: ThreadPoolExecutor | None = None  # runs steps, so they can time out
+        self._state = AgentEnvState(env_id=self.env_id)
+        self._lock = threading.Lock()
+
+    # ---- OpenEnv API ------------------------------------------------------------------
+    def reset(
+        self,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        task_id: int | None = None,
+        split: str | None = None,
+        **kwargs: Any,
+    ) -> AgentEnvObservation:
+        """Start an episode: task ``task_id`` of ``split`` (default: the served split), or
+        one drawn with ``seed``."""
+        if kwargs:
+            raise InvalidOptionError(
+                f"unknown reset argument(s) {sorted(kwargs)}; known: seed, episode_id, "
+                "task_id, split"
+            )
+        split = split or self.env_kwargs.get("split", "train")
+        if split not in SPLITS:
+            raise InvalidOptionError(f"split must be one of {SPLITS}, got {split!r}")
+        if self._env is None or self._env.unwrapped.split != split:
+            self._drop_env()
+            self._env = make(self.env_id, **{**self.env_kwargs, "split": split})
+        options = None if task_id is None else {"task_id": task_id}
+        messages, info = self._env.reset(seed=seed, options=options)
+        self._state = AgentEnvState(
+            episode_id=episode_id,
+            env_id=self.env_id,
+            split=split,
+            task_id=info.get("task_id", task_id),
+            done=False,
+        )
+        return AgentEnvObservation(messages=list(messages), info=_jsonable(info))
+
+    def step(
+        self, action: AgentEnvAction, timeout_s: float | None = None, **kwargs: Any
+    ) -> AgentEnvObservation:
+        """One action; a failed or timed-out step ends the episode (see the module doc)."""
+        if self._env is None or self._state.done:
+            raise InvalidOptionError(
+                "step() before reset() or after the episode ended: call reset() first"
+            )
+        text = self._text(action)
+        limits = [t for t in (timeout_s, self.step_timeout_s) if t]
+        limit = min(limits) if limits else None
+        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="agentenv-step")
+        future: Future = self._pool.submit(self._env.step, text)
+        self._state.step_count += 1
+        try:
+            messages, reward, terminated, truncated, info = future.result(timeout=limit)
+        except FutureTimeout:
+            self._drop_env(running=future)  # the step may never return: a new env next time
+            return self._failed("timeout", f"the step ran past {limit:g} s")
+        except Exception as exc:  # noqa: BLE001 - the env's failure ends its episode only
+            self._drop_env()
+            return self._failed("env_error", f"{type(exc).__name__}: {exc}")
+        done = bool(terminated or truncated)
+        self._state.done = done
+        self._state.total_reward += float(reward)
+        info = _jsonable(info)
+        if done:
+            info["stop_reason"] = "answer" if terminated else "max_turns"
+        return AgentEnvObservation(
+            messages=list(messages),
+            reward=float(reward),
+            done=done,
+            correct=bool(info.get("correct", False)) if done else None,
+            info=info,
+        )
+
+    @property
+    def state(self) -> AgentEnvState:
+        return self._state
+
+    def close(self) -> None:
+        """End the session: close its env (a Workspace removes its sandbox)."""
+        self._drop_env()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _text(self, action: AgentEnvAction) -> str:
+        """The action as the model's text: structured ones through the env's parser."""
+        problem = action.problem()
+        if problem:
+            raise InvalidOptionError(problem)
+        if action.text is not None:
+            return action.text
+        inner = self._env.unwrapped
+        format_action = getattr(getattr(inner, "parser", None), "format_action", None)
+        if not isinstance(inner, ToolEnv) or format_action is None:
+            raise InvalidOptionError(
+                f"{self.env_id} takes text actions only (its parser has no format_action); "
+                'send {"text": ...}'
+            )
+        if action.answer is not None:
+            return format_action([], action.answer)
+        names = [t.name for t in inner.tools]
+        if action.tool not in names:
+            raise InvalidOptionError(f"unknown tool {action.tool!r}; {self.env_id} has {names}")
+        return format_action([ToolCall(action.tool, dict(action.arguments))])
+
+    def _failed(self, stop_reason: str, error: str) -> AgentEnvObservation:
+        self._state.done = True
+        return AgentEnvObservation(
+            done=True,
+            reward=0.0,
+            correct=False,
+            info={"stop_reason": stop_reason, "error": error},
+        )
+
+    def _drop_env(self, running: Future | None = None) -> None:
+        """Close the env now, or once ``running`` (a step still in its thread) returns."""
+        env, self._env = self._env, None
+        if env is None:
+            return
+        if running is None:
+            env.close()
+        else:
+            running.add_done_callback(lambda _: env.close())
+            self._pool = None  # its one thread is busy; the next step gets a new one
+
+
+def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` as JSON values (numpy scalars and the like become str)."""
+    return json.loads(json.dumps(info, default=str))
+
+
+def server_class(
+    env_id: str, *, step_timeout_s: float | None = 60.0, **env_kwargs: Any
+) -> type[AgentEnvServer]:
+    """The :class:`AgentEnvServer` subclass that serves ``env_id`` with ``env_kwargs``.
+
+    Makes one env first, so a bad id or argument fails here, before any server starts.
+    """
+    if step_timeout_s is not None and step_timeout_s <= 0:
+        raise InvalidOptionError(f"step_timeout_s must be > 0 or None, got {step_timeout_s}")
+    make(env_id, **env_kwargs).close()
+    name = "".join(c for c in env_id.split("/")[-1].title() if c.isalnum())
+    return type(
+        f"{name}Server",
+        (AgentEnvServer,),
+        {
+            "env_id": env_id,
+            "env_kwargs": dict(env_kwargs),
+            "step_timeout_s": step_timeout_s,
+            "__module__": __name__,
+        },
+    )
+
+
+def env_info(env_id: str, **env_kwargs: Any) -> dict[str, Any]:
+    """What :data:`INFO_ROUTE` answers: id, tools, stop strings and tasks per split."""
+    info: dict[str, Any] = {"env_id": env_id, "num_tasks": {}, "tools": [], "stop_strings": []}
+    for split in SPLITS:
+        env = make(env_id, **{**env_kwargs, "split": split})
+        try:
+            inner = env.unwrapped
+            info["num_tasks"][split] = int(inner.num_tasks)
+            info["stop_strings"] = list(getattr(inner, "stop_strings", ()) or ())
+            if isinstance(inner, ToolEnv):
+                info["tools"] = [t.schema["function"] for t in inner.tools]
+        finally:
+            env.close()
+    return info
+
+
+def app(
+    env_id: str,
+    *,
+    max_sessions: int = 64,
+    step_timeout_s: float | None = 60.0,
+    **env_kwargs: Any,
+) -> Any:
+    """OpenEnv's FastAPI app serving ``env_id``: ``/ws`` sessions (one env each, at most
+    ``max_sessions`` at once), OpenEnv's ``/reset``, ``/step``, ``/state``, ``/schema``,
+    ``/health``, and :data:`INFO_ROUTE`.
+
+    Args:
+        env_id: A registered env id; ``env_kwargs`` go to :func:`agentenv.make`
+            (``split`` is the default split of ``reset``).
+        max_sessions: Most concurrent sessions (envs); more are refused by OpenEnv.
+        step_timeout_s: Longest a step may run before its episode ends as ``timeout``.
+    """
+    if max_sessions < 1:
+        raise InvalidOptionError(f"max_sessions must be >= 1, got {max_sessions}")
+    cls = server_class(env_id, step_timeout_s=step_timeout_s, **env_kwargs)
+    info = env_info(env_id, **{k: v for k, v in env_kwargs.items() if k != "split"})
+    application = create_app(
+        cls,
+        AgentEnvAction,
+        AgentEnvObservation,
+        env_name=env_id.split("/")[-1],
+        max_concurrent_envs=max_sessions,
+    )
+    application.add_api_route(INFO_ROUTE, lambda: info, methods=["GET"], tags=["agentenv"])
+    return application
+
+
+# ---- the client side ------------------------------------------------------------------------
+class OpenEnvClientEnv(TextEnv):
+    """An OpenEnv server as an agentenv env (``OpenEnv-v0``): one WebSocket session each.
+
+    Against an agentenv server (``agentenv serve``) it is the served env: the same tasks,
+    messages, rewards and stop strings; ``reset(options={"task_id": i})`` is task ``i``.
+    Against another OpenEnv server, the model's text goes in the action field
+    ``action_field``, the observation comes back as one user message (its ``messages``,
+    ``text`` or ``prompt`` field if it has one, else its JSON) and task ``i`` of
+    ``num_tasks`` is ``reset(seed=i)``.
+
+    Args:
+        base_url: The server, e.g. ``"http://127.0.0.1:8000"``.
+        split: Which split's tasks (agentenv servers).
+        action_field: Field of the server's action that receives the model's text.
+        num_tasks: Tasks of a server that is not agentenv's (required there).
+        message_timeout_s: Longest wait for one reply of the server.
+    """
+
+    def __init__(
+        self,
+        base_url: str = "",
+        *,
+        split: str = "train",
+        action_field: str = "text",
+        num_tasks: int | None = None,
+        message_timeout_s: float = 300.0,
+        render_mode: str | None = None,
+    ):
+        super().__init__(split=split, render_mode=render_mode)
+        if not base_url.startswith(("http://", "https://", "ws://", "wss://")):
+            raise InvalidOptionError(
+                f"base_url must be the server's http(s):// or ws(s):// address, got "
+                f"{base_url!r}; start one with `agentenv serve ENV_ID --port 8000` and pass "
+                "base_url='http://127.0.0.1:8000'"
+            )
+        self.base_url = base_url.rstrip("/")
+        self.action_field = action_field
+        self.message_timeout_s = message_timeout_s
+        self.server_info = self._fetch_info()
+        if self.server_info is None and num_tasks is None:
+            raise InvalidOptionError(
+                f"{self.base_url} is not an agentenv server (no {INFO_ROUTE}): pass num_tasks "
+                "(task i is the server's reset(seed=i)) and action_field"
+            )
+        if num_tasks is not None and num_tasks < 1:
+            raise InvalidOptionError(f"num_tasks must be >= 1, got {num_tasks}")
+        self._num_tasks = (
+            num_tasks if self.server_info is None else self.server_info["num_tasks"][split]
+        )
+        self._client: Any = None
+        self.messages: list[Message] = []
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self._num_tasks)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple((self.server_info or {}).get("stop_strings", ()))
+
+    def _fetch_info(self) -> dict[str, Any] | None:
+        url = self.base_url.replace("ws://", "http://").replace("wss://", "https://")
+        try:
+            with urllib.request.urlopen(url + INFO_ROUTE, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise AgentEnvError(f"{url}{INFO_ROUTE} answered HTTP {exc.code}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise AgentEnvError(
+                f"no OpenEnv server answers at {self.base_url} ({exc}); start one with "
+                "`agentenv serve ENV_ID --port PORT`"
+            ) from exc
+
+    def _session(self) -> Any:
+        if self._client is None:
+            from openenv.core import GenericEnvClient
+
+            client = GenericEnvClient(
+                base_url=self.base_url, message_timeout_s=self.message_timeout_s
+            )
+            self._client = client.sync()
+            self._client.connect()
+        return self._client
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        task_id = self._pick_task(seed, options)
+        if self.server_info is not None:
+            result = self._session().reset(seed=seed, task_id=task_id, split=self.split)
+        else:
+            result = self._session().reset(seed=task_id)
+        messages = self._messages(result.observation)
+        self.messages = list(messages)
+        return messages, {**(result.observation.get("info") or {}), "task_id": task_id}
+
+    def step(self, action: str) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
+        if not isinstance(action, str):
+            raise InvalidOptionError(f"action must be a str, got {type(action).__name__}")
+        result = self._session().step({self.action_field: action})
+        observation = result.observation or {}
+        messages = self._messages(observation)
+        self.messages += [{"role": "assistant", "content": action}, *messages]
+        info = dict(observation.get("info") or {})
+        if observation.get("correct") is not None:
+            info["correct"] = observation["correct"]
+        if info.get("stop_reason") in ("timeout", "env_error"):
+            raise AgentEnvError(f"the server's env failed: {info.get('error', info)}")
+        truncated = result.done and info.get("stop_reason") == "max_turns"
+        reward = float(result.reward or 0.0)
+        return messages, reward, bool(result.done and not truncated), bool(truncated), info
+
+    def _messages(self, observation: dict[str, Any]) -> list[Message]:
+        if isinstance(observation.get("messages"), list):
+            return [dict(m) for m in observation["messages"]]
+        for key in ("text", "prompt"):
+            if isinstance(observation.get(key), str):
+                return [{"role": "user", "content": observation[key]}]
+        return [{"role": "user", "content": json.dumps(observation, default=str)}]
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in self.messages)
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()

@@ -1,0 +1,271 @@
+"""agentenv envs behind OpenEnv servers (``agentenv serve``), driven by OpenEnv's own client,
+and OpenEnv servers (ours and another) used as agentenv envs, down to GRPO training."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip(
+    "openenv.core", reason="OpenEnv is not installed: pip install 'agentenv[openenv]'"
+)
+
+import openenv_servers as servers  # noqa: E402 - also registers CoinCalculator-v0
+from openenv.core import GenericEnvClient  # noqa: E402
+
+import agentenv  # noqa: E402
+from agentenv.errors import AgentEnvError, InvalidOptionError  # noqa: E402
+from agentenv.run.tracking import read_metrics  # noqa: E402
+
+ENV = {"source": "word_problems", "prompt_style": "compact"}
+WORKSPACE = {"sandbox": "rlimit", "num_tasks": 4}
+
+
+@pytest.fixture(scope="module")
+def calculator(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "calculator.log"
+    with servers.serve("Calculator-v0", log, env_kwargs=ENV) as url:
+        yield url
+
+
+def session(url):
+    return GenericEnvClient(base_url=url).sync()
+
+
+def test_openenv_client_plays_an_episode_on_our_server(calculator):
+    local = agentenv.make("Calculator-v0", **ENV).unwrapped
+    local_obs, _ = local.reset(options={"task_id": 3})
+    gold = local.task.answer
+    with session(calculator) as env:
+        result = env.reset(task_id=3)
+        assert result.observation["messages"] == local_obs
+        assert result.observation["info"]["task_id"] == 3 and not result.done
+
+        result = env.step({"tool": "calculator", "arguments": {"expression": "6*7"}})
+        assert result.observation["messages"] == [{"role": "tool", "content": "42"}]
+        assert (result.reward, result.done, result.observation["correct"]) == (0.0, False, None)
+        state = env.state()
+        assert (state["step_count"], state["task_id"], state["done"]) == (1, 3, False)
+
+        result = env.step({"answer": str(gold)})
+        assert (result.reward, result.done, result.observation["correct"]) == (1.0, True, True)
+        assert result.observation["info"]["stop_reason"] == "answer"
+        assert env.state()["total_reward"] == 1.0
+
+        with pytest.raises(RuntimeError, match="call reset\\(\\) first"):
+            env.step({"answer": "1"})  # the episode is over
+
+
+def test_text_actions_step_exactly_as_the_local_env(calculator):
+    actions = [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>',
+        "no call here",
+        "<answer>12</answer>",
+    ]
+    local = agentenv.make("Calculator-v0", split="test", **ENV)
+    expected = [local.reset(seed=5, options={"task_id": 7})[0]]
+    expected += [local.step(a)[:3] for a in actions]
+    with session(calculator) as env:
+        got = [env.reset(seed=5, task_id=7, split="test").observation["messages"]]
+        for action in actions:
+            r = env.step({"text": action})
+            got.append((r.observation["messages"], r.reward, r.done))
+    assert got == expected
+
+
+def test_bad_actions_and_resets_are_errors_that_name_the_fix(calculator):
+    with session(calculator) as env:
+        env.reset(task_id=0)
+        with pytest.raises(RuntimeError, match="exactly one of text, tool or answer"):
+            env.step({"text": "x", "answer": "1"})
+        with pytest.raises(RuntimeError, match="unknown tool 'search'.*\\['calculator'\\]"):
+            env.step({"tool": "search", "arguments": {"query": "x"}})
+        with pytest.raises(RuntimeError, match="task_id'\\] must be an int in \\[0, "):
+            env.reset(task_id=10**9)
+        with pytest.raises(RuntimeError, match="unknown reset argument.*'colour'"):
+            env.reset(colour="red")
+        assert env.reset(task_id=1).observation["info"]["task_id"] == 1  # session still fine
+
+
+def test_sixteen_concurrent_workspace_sessions_share_no_files(tmp_path):
+    with servers.serve("Workspace-v0", tmp_path / "ws.log", env_kwargs=WORKSPACE) as url:
+        listings, errors = {}, []
+
+        def play(i):
+            try:
+                with session(url) as env:
+                    env.reset(task_id=0)
+                    wrote = env.step(
+                        {
+                            "tool": "write_file",
+                            "arguments": {"path": f"mine_{i}.txt", "content": "x"},
+                        }
+                    )
+                    assert "error" not in wrote.observation["messages"][0]["content"].lower()
+                    time.sleep(0.5)  # every session has written before any lists
+                    listed = env.step({"tool": "list_files", "arguments": {}})
+                    listings[i] = listed.observation["messages"][0]["content"]
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"session {i}: {exc!r}")
+
+        threads = [threading.Thread(target=play, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert errors == [] and len(listings) == 16
+    for i, listing in listings.items():
+        seen = {j for j in range(16) if f"mine_{j}.txt" in listing}
+        assert seen == {i}, f"session {i} sees {sorted(seen)}"
+
+
+def test_a_killed_client_session_removes_its_sandbox(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    log = tmp_path / "ws.log"
+    with servers.serve(
+        "Workspace-v0", log, env_kwargs=WORKSPACE, env={"TMPDIR": str(scratch)}
+    ) as url:
+        client = subprocess.Popen(
+            [sys.executable, "-c", (
+                "import sys, time\n"
+                "from openenv.core import GenericEnvClient\n"
+                f"env = GenericEnvClient(base_url={url!r}).sync()\n"
+                "env.reset(task_id=0)\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(600)\n"
+            )],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        assert client.stdout.readline().strip() == "ready"
+        workspaces = [p for p in scratch.iterdir() if p.name.startswith("agentenv-ws-")]
+        assert len(workspaces) == 1  # the session's sandbox, mid-episode
+        os.kill(client.pid, signal.SIGKILL)
+        client.wait()
+        deadline = time.monotonic() + 30
+        while workspaces[0].exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not workspaces[0].exists(), log.read_text()[-2000:]
+
+
+def test_a_slow_step_ends_its_episode_as_timeout_and_the_session_goes_on(tmp_path):
+    flags = ("--step-timeout-s", "0.5")
+    with servers.serve("SlowCalculator-v0", tmp_path / "slow.log", flags=flags) as url:
+        with session(url) as env:
+            env.reset(task_id=0)
+            started = time.monotonic()
+            result = env.step({"answer": "1"})
+            assert time.monotonic() - started < servers.SLOW_STEP_S
+            assert (result.done, result.reward, result.observation["correct"]) == (True, 0.0, False)
+            assert result.observation["info"]["stop_reason"] == "timeout"
+            assert env.reset(task_id=1).observation["info"]["task_id"] == 1  # a fresh env
+
+        client = agentenv.make("OpenEnv-v0", base_url=url)
+        client.reset(options={"task_id": 0})
+        with pytest.raises(AgentEnvError, match="ran past 0.5 s"):
+            client.step("<answer>1</answer>")  # collect() ends the episode as env_error
+        client.close()
+
+
+def test_a_step_that_raises_ends_only_its_episode(tmp_path):
+    with servers.serve("RaisingCalculator-v0", tmp_path / "raise.log") as url:
+        with session(url) as env:
+            env.reset(task_id=0)
+            result = env.step({"text": "<answer>1</answer>"})
+            assert result.done and result.observation["info"]["stop_reason"] == "env_error"
+            assert "the tool's backend is down" in result.observation["info"]["error"]
+            assert env.reset(task_id=2).observation["info"]["task_id"] == 2
+
+
+def test_agentenv_client_env_is_the_served_env(calculator):
+    remote = agentenv.make("OpenEnv-v0", base_url=calculator, split="test")
+    local = agentenv.make("Calculator-v0", split="test", **ENV)
+    try:
+        inner = remote.unwrapped
+        assert inner.num_tasks == local.unwrapped.num_tasks
+        assert inner.stop_strings == local.unwrapped.stop_strings
+        assert (
+            remote.reset(seed=1, options={"task_id": 4})[0]
+            == local.reset(seed=1, options={"task_id": 4})[0]
+        )
+        gold = local.unwrapped.task.answer
+        for action in ['<tool_call>{"name": "calculator", "arguments": {}}</tool_call>',
+                       f"<answer>{gold}</answer>"]:  # fmt: skip
+            got, want = remote.step(action), local.step(action)
+            assert got[:4] == want[:4] and got[4].get("correct") == want[4].get("correct")
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_client_env_rejects_a_bad_address_before_connecting():
+    with pytest.raises(InvalidOptionError, match="agentenv serve ENV_ID --port 8000"):
+        agentenv.make("OpenEnv-v0", base_url="localhost:8000")
+    with pytest.raises(AgentEnvError, match="no OpenEnv server answers at http://127.0.0.1:9"):
+        agentenv.make("OpenEnv-v0", base_url="http://127.0.0.1:9")
+
+
+def test_client_env_on_an_openenv_server_that_is_not_agentenvs(tmp_path):
+    with servers.serve_foreign(tmp_path / "echo.log") as url:
+        with pytest.raises(InvalidOptionError, match="not an agentenv server.*num_tasks"):
+            agentenv.make("OpenEnv-v0", base_url=url)
+        env = agentenv.make("OpenEnv-v0", base_url=url, action_field="message", num_tasks=5)
+        try:
+            obs, info = env.reset(options={"task_id": 3})
+            assert obs == [{"role": "user", "content": "Say the number 3."}]
+            obs, reward, terminated, truncated, _ = env.step("It is 3")
+            assert obs == [{"role": "user", "content": "you said It is 3"}]
+            assert (reward, terminated, truncated) == (1.0, True, False)
+        finally:
+            env.close()
+
+
+def test_grpo_trains_on_a_remote_env_exactly_as_on_the_local_one(tiny_model_dir, tmp_path):
+    """Same seed, same tokens, masks, rewards, advantages and losses, local or served."""
+    from agentenv.run.config import TrainConfig
+    from agentenv.run.train import train
+
+    def run(env_id, env_kwargs, out):
+        config = TrainConfig(
+            model=tiny_model_dir,
+            env_id=env_id,
+            env_kwargs=env_kwargs,
+            steps=2,
+            batch_size=2,
+            rollout={
+                "group_size": 4,
+                "max_turns": 2,
+                "max_episode_tokens": 256,
+                "sampling": {"max_new_tokens": 6},
+            },  # fmt: skip
+            eval_tasks=2,
+            save_every=2,
+            log_episodes=8,
+            output_dir=str(tmp_path / out),
+            grpo={"learning_rate": 1e-3},
+        )
+        run_dir = train(config=config)
+        episodes = []
+        for step in (1, 2):
+            lines = (run_dir / "episodes" / f"step_{step:06d}.jsonl").read_text().splitlines()
+            keep = ("input_ids", "action_mask", "reward", "advantage", "stop_reason")
+            episodes += [{k: json.loads(line)[k] for k in keep} for line in lines]
+        return read_metrics(run_dir), episodes
+
+    with servers.serve("CoinCalculator-v0", tmp_path / "coin.log", env_kwargs=ENV) as url:
+        remote, remote_episodes = run("OpenEnv-v0", {"base_url": url}, "remote")
+    local, local_episodes = run("CoinCalculator-v0", ENV, "local")
+    assert remote_episodes == local_episodes and len(local_episodes) == 16
+    assert {e["reward"] for e in local_episodes} == {0.0, 1.0}  # something to learn from
+    keys = ["step", "loss", "grad_norm", "rewards/mean", "rollout/tokens", "eval/mean_reward"]
+    assert [r["step"] for r in remote] == [0, 1, 2, 2]
+    assert [{k: r.get(k) for k in keys} for r in remote] == [
+        {k: r.get(k) for k in keys} for r in local
+    ]
+    assert any(r.get("loss") for r in local)  # a real update, not all zeros
