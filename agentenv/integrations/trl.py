@@ -116,31 +116,36 @@ class AgentEnvironment:
 
 def _tool_method(tool: Tool) -> Callable[..., str]:
     """A method with ``tool``'s name, typed signature and Google docstring."""
-    fn_signature = inspect.signature(tool.fn)
     hints = typing.get_type_hints(tool.fn)
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    params += [
+    params = [
         p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
         if p.kind == inspect.Parameter.KEYWORD_ONLY
         else p.replace(annotation=hints[p.name], kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        for p in fn_signature.parameters.values()
+        for p in inspect.signature(tool.fn).parameters.values()
     ]
-    signature = inspect.Signature(params, return_annotation=str)
+    return tool_method(tool.name, tool.description, tool.parameters, params)
 
-    def method(self: AgentEnvironment, **arguments: Any) -> str:
+
+def tool_method(
+    name: str, description: str, parameters: dict[str, Any], params: list[inspect.Parameter]
+) -> Callable[..., str]:
+    """A method ``name(self, <params>) -> str`` that runs ``self._call(name, arguments)``,
+    with a Google docstring from ``description`` and the JSON schema ``parameters``: what
+    TRL (``transformers.utils.get_json_schema``) turns back into the tool's schema."""
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    signature = inspect.Signature([self_param, *params], return_annotation=str)
+
+    def method(self: Any, **arguments: Any) -> str:
         # The env's executor checks the arguments against the schema (errors as text).
-        return self._call(tool.name, arguments)
+        return self._call(name, arguments)
 
-    properties = tool.parameters.get("properties", {})
-    lines = [tool.description, "", "Args:"]
+    properties = parameters.get("properties", {})
+    lines = [description, "", "Args:"]
     lines += [f"    {n}: {p.get('description', n)}" for n, p in properties.items()]
-    method.__name__ = method.__qualname__ = tool.name
-    method.__doc__ = "\n".join(lines) if properties else tool.description
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = "\n".join(lines) if properties else description
     method.__signature__ = signature  # type: ignore[attr-defined]
-    method.__annotations__ = {
-        **{p.name: p.annotation for p in params[1:]},
-        "return": str,
-    }
+    method.__annotations__ = {**{p.name: p.annotation for p in params}, "return": str}
     return method
 
 

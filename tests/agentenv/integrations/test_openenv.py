@@ -1,6 +1,7 @@
 """agentenv envs behind OpenEnv servers (``agentenv serve``), driven by OpenEnv's own client,
 and OpenEnv servers (ours and another) used as agentenv envs, down to GRPO training."""
 
+import copy
 import json
 import os
 import signal
@@ -17,13 +18,22 @@ pytest.importorskip(
 
 import openenv_servers as servers  # noqa: E402 - also registers CoinCalculator-v0
 from openenv.core import GenericEnvClient  # noqa: E402
+from trl_steps import fresh_accelerate_state  # noqa: E402, F401 - an autouse fixture
 
 import agentenv  # noqa: E402
 from agentenv.errors import AgentEnvError, InvalidOptionError  # noqa: E402
+from agentenv.integrations import openenv as openenv_integration  # noqa: E402
 from agentenv.run.tracking import read_metrics  # noqa: E402
 
 ENV = {"source": "word_problems", "prompt_style": "compact"}
 WORKSPACE = {"sandbox": "rlimit", "num_tasks": 4}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "workspace.log"
+    with servers.serve("Workspace-v0", log, env_kwargs=WORKSPACE) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -92,32 +102,31 @@ def test_bad_actions_and_resets_are_errors_that_name_the_fix(calculator):
         assert env.reset(task_id=1).observation["info"]["task_id"] == 1  # session still fine
 
 
-def test_sixteen_concurrent_workspace_sessions_share_no_files(tmp_path):
-    with servers.serve("Workspace-v0", tmp_path / "ws.log", env_kwargs=WORKSPACE) as url:
-        listings, errors = {}, []
+def test_sixteen_concurrent_workspace_sessions_share_no_files(workspace):
+    listings, errors = {}, []
 
-        def play(i):
-            try:
-                with session(url) as env:
-                    env.reset(task_id=0)
-                    wrote = env.step(
-                        {
-                            "tool": "write_file",
-                            "arguments": {"path": f"mine_{i}.txt", "content": "x"},
-                        }
-                    )
-                    assert "error" not in wrote.observation["messages"][0]["content"].lower()
-                    time.sleep(0.5)  # every session has written before any lists
-                    listed = env.step({"tool": "list_files", "arguments": {}})
-                    listings[i] = listed.observation["messages"][0]["content"]
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(f"session {i}: {exc!r}")
+    def play(i):
+        try:
+            with session(workspace) as env:
+                env.reset(task_id=0)
+                wrote = env.step(
+                    {
+                        "tool": "write_file",
+                        "arguments": {"path": f"mine_{i}.txt", "content": "x"},
+                    }
+                )
+                assert "error" not in wrote.observation["messages"][0]["content"].lower()
+                time.sleep(0.5)  # every session has written before any lists
+                listed = env.step({"tool": "list_files", "arguments": {}})
+                listings[i] = listed.observation["messages"][0]["content"]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"session {i}: {exc!r}")
 
-        threads = [threading.Thread(target=play, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+    threads = [threading.Thread(target=play, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
     assert errors == [] and len(listings) == 16
     for i, listing in listings.items():
         seen = {j for j in range(16) if f"mine_{j}.txt" in listing}
@@ -215,6 +224,8 @@ def test_client_env_on_an_openenv_server_that_is_not_agentenvs(tmp_path):
     with servers.serve_foreign(tmp_path / "echo.log") as url:
         with pytest.raises(InvalidOptionError, match="not an agentenv server.*num_tasks"):
             agentenv.make("OpenEnv-v0", base_url=url)
+        with pytest.raises(InvalidOptionError, match="not an agentenv server.*agentenv serve"):
+            openenv_integration.environment_factory(url)  # TRL needs the tool schemas
         env = agentenv.make("OpenEnv-v0", base_url=url, action_field="message", num_tasks=5)
         try:
             obs, info = env.reset(options={"task_id": 3})
@@ -269,3 +280,40 @@ def test_grpo_trains_on_a_remote_env_exactly_as_on_the_local_one(tiny_model_dir,
         {k: r.get(k) for k in keys} for r in local
     ]
     assert any(r.get("loss") for r in local)  # a real update, not all zeros
+
+
+def test_trl_tool_methods_of_a_served_env_have_the_local_schemas(workspace):
+    from transformers.utils import get_json_schema
+
+    from agentenv.integrations import trl
+
+    remote = openenv_integration.environment_factory(workspace)
+    local = trl.environment_factory("Workspace-v0", **WORKSPACE)
+    names = [t.name for t in agentenv.make("Workspace-v0", **WORKSPACE).unwrapped.tools]
+    assert len(names) >= 4
+    for name in names:
+        assert get_json_schema(getattr(remote, name)) == get_json_schema(getattr(local, name))
+
+
+def test_trl_grpo_trainer_runs_a_step_on_a_served_env(calculator, tokenizer, tmp_path):
+    pytest.importorskip("trl", reason="TRL is not installed: pip install 'agentenv[trl]'")
+    from trl_steps import memorized_policy, train_one_step
+
+    from agentenv.integrations import trl
+
+    tokenizer = trl.tool_chat_template(copy.deepcopy(tokenizer))  # the fixture is shared
+    rows = trl.dataset("Calculator-v0", num_tasks=1, **ENV)
+    gold = agentenv.make("Calculator-v0", **ENV).unwrapped.get_task(0).answer
+    turns = [("calculator", {"expression": f"{gold}+0"}), f"<answer>{gold}</answer>"]
+    local = trl.environment_factory("Calculator-v0", **ENV)
+    model = memorized_policy(tokenizer, local, rows[0], turns)
+    trainer = train_one_step(
+        model, tokenizer, openenv_integration.environment_factory(calculator), rows, tmp_path
+    )
+
+    log = trainer.state.log_history[0]
+    assert trainer.state.global_step == 1
+    assert [e._task_id for e in trainer.environments] == [0, 0]
+    assert [e._tool_calls for e in trainer.environments] == [1, 1]  # TRL called the server
+    assert log["tools/call_frequency"] > 0 and log["tools/failure_frequency"] == 0
+    assert log["rewards/reward_func/mean"] == 1.0  # the served env's reward reached TRL

@@ -14,8 +14,12 @@ import pytest
 
 pytest.importorskip("trl", reason="TRL is not installed: pip install 'agentenv[trl]'")
 
-from memorized import memorize  # noqa: E402
 from transformers.utils import get_json_schema  # noqa: E402
+from trl_steps import (  # noqa: E402
+    fresh_accelerate_state,  # noqa: F401 - an autouse fixture
+    memorized_policy,
+    train_one_step,
+)
 
 from agentenv import make  # noqa: E402
 from agentenv.errors import InvalidOptionError  # noqa: E402
@@ -29,16 +33,6 @@ from agentenv.integrations.trl import (  # noqa: E402
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 WORKSPACE = {"sandbox": "rlimit", "families": ["files"], "levels": ["easy"]}
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """TRL's trainer sets accelerate's process-wide state (mixed precision and all); later
-    tests in this process build their own Accelerator and must not inherit it."""
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_tool_methods_carry_the_env_tools_schema():
@@ -132,68 +126,14 @@ def test_factory_rejects_a_non_tool_env():
         deregister("PlainForTRL-v0")
 
 
-def _memorized_policy(tokenizer, factory, row, turns):
-    """A tiny model that answers ``row`` with ``turns`` (tool calls, then an answer)."""
-    env = factory()
-    env.reset(**row)
-    # in TRL's order: inspect.getmembers lists the methods by name
-    tools = [getattr(env, name) for name in sorted(t.name for t in env._inner.tools)]
-    conversation = list(row["prompt"])
-    for name, arguments in turns[:-1]:
-        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
-        result = getattr(env, name)(**arguments)
-        conversation += [
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": name, "content": result},
-        ]
-    conversation.append({"role": "assistant", "content": turns[-1]})
-    text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False)
-    prompt = tokenizer.apply_chat_template(
-        row["prompt"], tools=tools, tokenize=False, add_generation_prompt=True
-    )
-    return memorize(tokenizer, text, prompt)
-
-
-def _train_one_step(model, tokenizer, factory, rows, tmp_path):
-    from trl import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=256,
-        max_tool_calling_iterations=2,
-        generation_kwargs={"max_new_tokens": 96},
-        temperature=0.1,  # the memorised text, near-greedily: a long call survives sampling
-        use_cpu=True,
-        bf16=False,  # TRL's default is bf16 mixed precision, even where the CPU lacks bf16
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        processing_class=tokenizer,
-        reward_funcs=reward_func,
-        train_dataset=rows,
-        environment_factory=factory,
-        args=args,
-    )
-    trainer.train()
-    return trainer
-
-
 def test_trl_grpo_trainer_runs_a_calculator_step_with_env_tool_calls(tokenizer, tmp_path):
     tokenizer = tool_chat_template(copy.deepcopy(tokenizer))  # the fixture is shared
     factory = environment_factory("Calculator-v0")
     rows = dataset("Calculator-v0", num_tasks=1)
     gold = make("Calculator-v0").unwrapped.get_task(0).answer
     turns = [("calculator", {"expression": f"{gold}+0"}), f"<answer>{gold}</answer>"]
-    model = _memorized_policy(tokenizer, factory, rows[0], turns)
-    trainer = _train_one_step(model, tokenizer, factory, rows, tmp_path)
+    model = memorized_policy(tokenizer, factory, rows[0], turns)
+    trainer = train_one_step(model, tokenizer, factory, rows, tmp_path)
 
     log = trainer.state.log_history[0]
     assert trainer.state.global_step == 1
@@ -211,8 +151,8 @@ def test_trl_grpo_trainer_runs_a_workspace_step_scored_on_the_files(tokenizer, t
     path = re.search(r"`([^`]+)`", task).group(1)
     lines = task.split("\n\n", 1)[1].strip() + "\n"
     turns = [("write_file", {"path": path, "content": lines}), "<answer>done</answer>"]
-    model = _memorized_policy(tokenizer, factory, rows[0], turns)
-    trainer = _train_one_step(model, tokenizer, factory, rows, tmp_path)
+    model = memorized_policy(tokenizer, factory, rows[0], turns)
+    trainer = train_one_step(model, tokenizer, factory, rows, tmp_path)
 
     log = trainer.state.log_history[0]
     assert trainer.state.global_step == 1

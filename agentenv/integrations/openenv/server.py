@@ -1,53 +1,17 @@
-"""agentenv envs served as OpenEnv environments, and OpenEnv servers used as agentenv envs.
-
-OpenEnv (``pip install 'agentenv[openenv]'``, PyPI ``openenv-core``) runs an environment as a
-server: a WebSocket session per client, each with its own env instance, speaking
-``reset`` / ``step`` / ``state``. TRL, SkyRL and verifiers consume such servers.
-
-**Serve** any registered env (bundled or your own) with ``agentenv serve ENV_ID --port N``,
-or build the app with :func:`app` and run it under any ASGI server. Each session owns one
-agentenv env, closed (a Workspace's sandbox removed) when the session ends, however it ends.
-A step is one of (see :class:`AgentEnvAction`):
-
-* ``{"text": "..."}``: the model's whole message, parsed by the env's parser, exactly as
-  in agentenv's own loop;
-* ``{"tool": "calculator", "arguments": {"expression": "2+2"}}``: one tool call;
-* ``{"answer": "4"}``: the final answer, which ends the episode with the env's reward.
-
-Every observation (:class:`AgentEnvObservation`) carries the env's new ``messages``, its
-``reward`` and ``done``, ``correct`` once the episode ends, and the env's ``info``
-(``task_id``, ``turn``, ``stop_reason``; a field of its own: openenv-core 0.3 sends no
-``metadata``). ``reset(seed=, task_id=, split=)``
-picks the task. A step that runs longer than the server's ``step_timeout_s`` (or the
-request's ``timeout_s``, if shorter) ends the episode with ``stop_reason="timeout"``; a
-step that raises ends it with ``stop_reason="env_error"``: as in agentenv's rollouts, the
-failure ends one episode, not the server.
-
-**Connect** to a server with :class:`OpenEnvClientEnv`, registered as ``OpenEnv-v0``::
-
-    env = agentenv.make("OpenEnv-v0", base_url="http://127.0.0.1:8000")
-    agentenv train OpenEnv-v0 --env-kwargs '{"base_url": "http://127.0.0.1:8000"}'
-
-so agentenv's GRPO trains on a remote env. A server that is not agentenv's works too:
-``action_field`` names the action field that receives the model's text and ``num_tasks``
-how many seeds make its tasks (task ``i`` is ``reset(seed=i)``).
-"""
+"""The server side: an agentenv env as an OpenEnv environment (see the package doc)."""
 
 from __future__ import annotations
 
 import json
 import threading
-import urllib.error
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, ClassVar, SupportsFloat
+from typing import Any, ClassVar
 
-from agentenv.env.core import SPLITS, TextEnv, ToolEnv
+from agentenv.env.core import SPLITS, ToolEnv
 from agentenv.env.parsers import ToolCall
 from agentenv.env.registration import make
-from agentenv.env.spaces import Message
-from agentenv.errors import AgentEnvError, InvalidOptionError
+from agentenv.errors import InvalidOptionError
 
 try:
     from openenv.core.env_server import create_app
@@ -59,15 +23,6 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         f"agentenv.integrations.openenv needs OpenEnv ({exc}); install it with "
         "`pip install 'agentenv[openenv]'` (PyPI openenv-core)"
     ) from exc
-
-__all__ = [
-    "AgentEnvAction",
-    "AgentEnvObservation",
-    "AgentEnvServer",
-    "AgentEnvState",
-    "OpenEnvClientEnv",
-    "app",
-]
 
 INFO_ROUTE = "/agentenv/info"
 """GET: the served env's id, tools, stop strings and task counts (what a client needs)."""
@@ -346,137 +301,3 @@ def app(
     )
     application.add_api_route(INFO_ROUTE, lambda: info, methods=["GET"], tags=["agentenv"])
     return application
-
-
-# ---- the client side ------------------------------------------------------------------------
-class OpenEnvClientEnv(TextEnv):
-    """An OpenEnv server as an agentenv env (``OpenEnv-v0``): one WebSocket session each.
-
-    Against an agentenv server (``agentenv serve``) it is the served env: the same tasks,
-    messages, rewards and stop strings; ``reset(options={"task_id": i})`` is task ``i``.
-    Against another OpenEnv server, the model's text goes in the action field
-    ``action_field``, the observation comes back as one user message (its ``messages``,
-    ``text`` or ``prompt`` field if it has one, else its JSON) and task ``i`` of
-    ``num_tasks`` is ``reset(seed=i)``.
-
-    Args:
-        base_url: The server, e.g. ``"http://127.0.0.1:8000"``.
-        split: Which split's tasks (agentenv servers).
-        action_field: Field of the server's action that receives the model's text.
-        num_tasks: Tasks of a server that is not agentenv's (required there).
-        message_timeout_s: Longest wait for one reply of the server.
-    """
-
-    def __init__(
-        self,
-        base_url: str = "",
-        *,
-        split: str = "train",
-        action_field: str = "text",
-        num_tasks: int | None = None,
-        message_timeout_s: float = 300.0,
-        render_mode: str | None = None,
-    ):
-        super().__init__(split=split, render_mode=render_mode)
-        if not base_url.startswith(("http://", "https://", "ws://", "wss://")):
-            raise InvalidOptionError(
-                f"base_url must be the server's http(s):// or ws(s):// address, got "
-                f"{base_url!r}; start one with `agentenv serve ENV_ID --port 8000` and pass "
-                "base_url='http://127.0.0.1:8000'"
-            )
-        self.base_url = base_url.rstrip("/")
-        self.action_field = action_field
-        self.message_timeout_s = message_timeout_s
-        self.server_info = self._fetch_info()
-        if self.server_info is None and num_tasks is None:
-            raise InvalidOptionError(
-                f"{self.base_url} is not an agentenv server (no {INFO_ROUTE}): pass num_tasks "
-                "(task i is the server's reset(seed=i)) and action_field"
-            )
-        if num_tasks is not None and num_tasks < 1:
-            raise InvalidOptionError(f"num_tasks must be >= 1, got {num_tasks}")
-        self._num_tasks = (
-            num_tasks if self.server_info is None else self.server_info["num_tasks"][split]
-        )
-        self._client: Any = None
-        self.messages: list[Message] = []
-
-    @property
-    def num_tasks(self) -> int:
-        return int(self._num_tasks)
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:  # type: ignore[override]
-        return tuple((self.server_info or {}).get("stop_strings", ()))
-
-    def _fetch_info(self) -> dict[str, Any] | None:
-        url = self.base_url.replace("ws://", "http://").replace("wss://", "https://")
-        try:
-            with urllib.request.urlopen(url + INFO_ROUTE, timeout=30) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                return None
-            raise AgentEnvError(f"{url}{INFO_ROUTE} answered HTTP {exc.code}") from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise AgentEnvError(
-                f"no OpenEnv server answers at {self.base_url} ({exc}); start one with "
-                "`agentenv serve ENV_ID --port PORT`"
-            ) from exc
-
-    def _session(self) -> Any:
-        if self._client is None:
-            from openenv.core import GenericEnvClient
-
-            client = GenericEnvClient(
-                base_url=self.base_url, message_timeout_s=self.message_timeout_s
-            )
-            self._client = client.sync()
-            self._client.connect()
-        return self._client
-
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[list[Message], dict[str, Any]]:
-        task_id = self._pick_task(seed, options)
-        if self.server_info is not None:
-            result = self._session().reset(seed=seed, task_id=task_id, split=self.split)
-        else:
-            result = self._session().reset(seed=task_id)
-        messages = self._messages(result.observation)
-        self.messages = list(messages)
-        return messages, {**(result.observation.get("info") or {}), "task_id": task_id}
-
-    def step(self, action: str) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
-        if not isinstance(action, str):
-            raise InvalidOptionError(f"action must be a str, got {type(action).__name__}")
-        result = self._session().step({self.action_field: action})
-        observation = result.observation or {}
-        messages = self._messages(observation)
-        self.messages += [{"role": "assistant", "content": action}, *messages]
-        info = dict(observation.get("info") or {})
-        if observation.get("correct") is not None:
-            info["correct"] = observation["correct"]
-        if info.get("stop_reason") in ("timeout", "env_error"):
-            raise AgentEnvError(f"the server's env failed: {info.get('error', info)}")
-        truncated = result.done and info.get("stop_reason") == "max_turns"
-        reward = float(result.reward or 0.0)
-        return messages, reward, bool(result.done and not truncated), bool(truncated), info
-
-    def _messages(self, observation: dict[str, Any]) -> list[Message]:
-        if isinstance(observation.get("messages"), list):
-            return [dict(m) for m in observation["messages"]]
-        for key in ("text", "prompt"):
-            if isinstance(observation.get(key), str):
-                return [{"role": "user", "content": observation[key]}]
-        return [{"role": "user", "content": json.dumps(observation, default=str)}]
-
-    def render(self) -> str | None:
-        if self.render_mode != "ansi":
-            return None
-        return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in self.messages)
-
-    def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()

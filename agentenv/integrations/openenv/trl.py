@@ -1,0 +1,138 @@
+"""TRL's ``GRPOTrainer`` on an env served by ``agentenv serve``: an ``environment_factory``
+whose tool methods and reward run on the server."""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+from agentenv.errors import InvalidOptionError
+from agentenv.integrations.openenv.client import _connect, server_info
+from agentenv.integrations.openenv.server import INFO_ROUTE
+from agentenv.integrations.trl import AgentEnvironment, tool_method
+
+JSON_TYPES: dict[str, type] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+}
+
+
+class RemoteEnvironment(AgentEnvironment):
+    """A TRL environment whose episode runs on an agentenv server (one session each).
+
+    Tool methods send ``{"tool": name, "arguments": ...}``; :func:`~agentenv.integrations.
+    trl.reward_func` sends the last assistant message as ``{"text": ...}``, so the reward is
+    the served env's own, counted in the same episode as the tool calls (TRL's
+    ``max_tool_calling_iterations`` and the env's ``max_turns`` both apply).
+    """
+
+    _base_url: str = ""
+
+    def __init__(self) -> None:  # TRL calls the factory with no arguments
+        self._client = _connect(self._base_url)
+        self._task_id: int | None = None
+        self._tool_calls = 0
+        self._tool_errors = 0
+        weakref.finalize(self, self._client.close)  # TRL never closes its environments
+
+    def reset(self, task_id: int, **row: Any) -> None:
+        """Start the row's task on the server; the prompt is already in the row."""
+        self._client.reset(task_id=int(task_id))
+        self._task_id = int(task_id)
+        self._tool_calls = 0
+        self._tool_errors = 0
+
+    def _call(self, name: str, arguments: dict[str, Any]) -> str:
+        if self._task_id is None:
+            raise RuntimeError(f"{name} was called before reset(task_id=...)")
+        self._tool_calls += 1
+        try:
+            result = self._client.step({"tool": name, "arguments": arguments})
+        except RuntimeError as exc:  # e.g. the episode is over: an error, as text
+            self._tool_errors += 1
+            return f"Error: {exc}"
+        info = result.observation.get("info", {})
+        if "error" in info:
+            self._tool_errors += 1
+            return f"Error: {info['error']}"
+        self._tool_errors = max(self._tool_errors, int(info.get("num_tool_errors", 0)))
+        return "\n".join(m["content"] for m in result.observation.get("messages", []))
+
+    def _score(self, text: str) -> tuple[float, dict[str, Any]]:
+        if self._task_id is None:
+            raise RuntimeError("the episode was scored before reset(task_id=...)")
+        try:
+            result = self._client.step({"text": text})
+        except RuntimeError:  # the episode ended before the answer (max_turns)
+            return 0.0, {"correct": False, "answer": None}
+        info = result.observation.get("info", {})
+        return float(result.reward or 0.0), {
+            **info,
+            "correct": bool(result.observation.get("correct")),
+        }
+
+
+def _schema_params(parameters: dict[str, Any]) -> list[inspect.Parameter]:
+    """Typed parameters for a tool's JSON schema (``nullable``: ``| None``), required first.
+
+    The signature only describes the tool to TRL: the method passes on the arguments the
+    model gave, so an omitted one takes the tool's own default on the server."""
+    properties = parameters.get("properties", {})
+    required = [n for n in properties if n in set(parameters.get("required", []))]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [
+        inspect.Parameter(n, kind, annotation=JSON_TYPES.get(properties[n].get("type"), str))
+        for n in required
+    ]
+    for n, p in properties.items():
+        if n not in required:  # omitted from a call, it takes the server-side default
+            annotation: Any = JSON_TYPES.get(p.get("type"), str)
+            if p.get("nullable"):
+                annotation = annotation | None
+            params.append(inspect.Parameter(n, kind, default=None, annotation=annotation))
+    return params
+
+
+def environment_factory(base_url: str) -> type[RemoteEnvironment]:
+    """TRL's ``environment_factory`` for the env an agentenv server serves at ``base_url``.
+
+    Its methods are the served env's tools, typed from their JSON schemas. Pass
+    :func:`agentenv.integrations.trl.reward_func` as the reward and
+    :func:`agentenv.integrations.trl.dataset` (same env id and kwargs as the server) as
+    the data.
+
+    Raises:
+        AgentEnvError: when no agentenv server answers at ``base_url``.
+    """
+    info = server_info(base_url)
+    if info is None:
+        raise InvalidOptionError(
+            f"{base_url} is not an agentenv server (no {INFO_ROUTE}); TRL needs its tool "
+            "schemas: serve the env with `agentenv serve`"
+        )
+    reserved = {"reset", "get_reward"}
+    namespace: dict[str, Any] = {}
+    for schema in info["tools"]:
+        name = schema["name"]
+        if name in reserved or name.startswith("_"):
+            raise InvalidOptionError(
+                f"the served tool {name!r} cannot be a TRL tool method: the names "
+                f"{sorted(reserved)} and names starting with '_' are not exposed; rename it"
+            )
+        parameters = schema.get("parameters", {})
+        namespace[name] = tool_method(
+            name, schema.get("description", ""), parameters, _schema_params(parameters)
+        )
+    env_id = info["env_id"]
+    namespace.update(
+        _base_url=base_url,
+        __doc__=f"The agentenv env {env_id} served at {base_url}, as a TRL environment.",
+        __module__=__name__,
+    )
+    name = "".join(c for c in env_id.split("/")[-1].split("-v")[0].title() if c.isalnum())
+    return type(f"Remote{name}Environment", (RemoteEnvironment,), namespace)
