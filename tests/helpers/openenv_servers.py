@@ -1,9 +1,8 @@
 """OpenEnv servers for the tests, each in its own process on 127.0.0.1.
 
 * :func:`serve` runs ``agentenv serve ENV_ID`` (the command users run).
-* ``faulty envs``: ``SlowCalculator-v0`` (a step that sleeps ``SLOW_STEP_S``) and
-  ``RaisingCalculator-v0`` (a step that raises), registered on import (``--import
-  openenv_servers``).
+* ``FaultyCalculator-v0``: an action with ``sleep`` sleeps ``SLOW_STEP_S`` before its
+  step, one with ``raise`` raises; registered on import (``--import openenv_servers``).
 * ``CoinCalculator-v0`` (``coin_env``: rewards a tiny random model earns) is registered too.
 * ``EchoEnvironment``: an OpenEnv environment that is not agentenv's (its action is
   ``{"message": str}``), served by :func:`serve_foreign` with OpenEnv's own ``create_app``,
@@ -32,19 +31,16 @@ HELPERS = Path(__file__).parent
 SLOW_STEP_S = 3.0
 
 
-class SlowCalculator(CalculatorEnv):
+class FaultyCalculator(CalculatorEnv):
     def step(self, action):
-        time.sleep(SLOW_STEP_S)
+        if "sleep" in action:
+            time.sleep(SLOW_STEP_S)
+        if "raise" in action:
+            raise RuntimeError("the tool's backend is down")
         return super().step(action)
 
 
-class RaisingCalculator(CalculatorEnv):
-    def step(self, action):
-        raise RuntimeError("the tool's backend is down")
-
-
-agentenv.register("SlowCalculator-v0", entry_point=SlowCalculator, override=True)
-agentenv.register("RaisingCalculator-v0", entry_point=RaisingCalculator, override=True)
+agentenv.register("FaultyCalculator-v0", entry_point=FaultyCalculator, override=True)
 
 
 def _wait(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:

@@ -30,9 +30,23 @@ WORKSPACE = {"sandbox": "rlimit", "num_tasks": 4}
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
+def scratch(tmp_path_factory):
+    """The Workspace server's TMPDIR, where each session's sandbox folder lives."""
+    return tmp_path_factory.mktemp("scratch")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, scratch):
     log = tmp_path_factory.mktemp("serve") / "workspace.log"
-    with servers.serve("Workspace-v0", log, env_kwargs=WORKSPACE) as url:
+    environ = {"TMPDIR": str(scratch)}
+    with servers.serve("Workspace-v0", log, env_kwargs=WORKSPACE, env=environ) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "faulty.log"
+    with servers.serve("FaultyCalculator-v0", log, flags=("--step-timeout-s", "0.5")) as url:
         yield url
 
 
@@ -102,7 +116,7 @@ def test_bad_actions_and_resets_are_errors_that_name_the_fix(calculator):
         assert env.reset(task_id=1).observation["info"]["task_id"] == 1  # session still fine
 
 
-def test_sixteen_concurrent_workspace_sessions_share_no_files(workspace):
+def test_sixteen_concurrent_workspace_sessions_share_no_files(workspace, scratch):
     listings, errors = {}, []
 
     def play(i):
@@ -131,65 +145,64 @@ def test_sixteen_concurrent_workspace_sessions_share_no_files(workspace):
     for i, listing in listings.items():
         seen = {j for j in range(16) if f"mine_{j}.txt" in listing}
         assert seen == {i}, f"session {i} sees {sorted(seen)}"
+    deadline = time.monotonic() + 30  # closed sessions leave no sandbox behind
+    while any(p.name.startswith("agentenv-ws-") for p in scratch.iterdir()):
+        assert time.monotonic() < deadline, sorted(p.name for p in scratch.iterdir())
+        time.sleep(0.1)
 
 
-def test_a_killed_client_session_removes_its_sandbox(tmp_path):
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    log = tmp_path / "ws.log"
-    with servers.serve(
-        "Workspace-v0", log, env_kwargs=WORKSPACE, env={"TMPDIR": str(scratch)}
-    ) as url:
-        client = subprocess.Popen(
-            [sys.executable, "-c", (
-                "import sys, time\n"
-                "from openenv.core import GenericEnvClient\n"
-                f"env = GenericEnvClient(base_url={url!r}).sync()\n"
-                "env.reset(task_id=0)\n"
-                "print('ready', flush=True)\n"
-                "time.sleep(600)\n"
-            )],
-            stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        assert client.stdout.readline().strip() == "ready"
-        workspaces = [p for p in scratch.iterdir() if p.name.startswith("agentenv-ws-")]
-        assert len(workspaces) == 1  # the session's sandbox, mid-episode
-        os.kill(client.pid, signal.SIGKILL)
-        client.wait()
-        deadline = time.monotonic() + 30
-        while workspaces[0].exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not workspaces[0].exists(), log.read_text()[-2000:]
+def test_a_killed_client_session_removes_its_sandbox(workspace, scratch):
+    def sandboxes():
+        return {p for p in scratch.iterdir() if p.name.startswith("agentenv-ws-")}
+
+    before = sandboxes()
+    client = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import time\n"
+            "from openenv.core import GenericEnvClient\n"
+            f"env = GenericEnvClient(base_url={workspace!r}).sync()\n"
+            "env.reset(task_id=0)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n"
+        )],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert client.stdout.readline().strip() == "ready"
+    (mine,) = sandboxes() - before  # the session's sandbox, mid-episode
+    os.kill(client.pid, signal.SIGKILL)
+    client.wait()
+    deadline = time.monotonic() + 30
+    while mine.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not mine.exists()
 
 
-def test_a_slow_step_ends_its_episode_as_timeout_and_the_session_goes_on(tmp_path):
-    flags = ("--step-timeout-s", "0.5")
-    with servers.serve("SlowCalculator-v0", tmp_path / "slow.log", flags=flags) as url:
-        with session(url) as env:
-            env.reset(task_id=0)
-            started = time.monotonic()
-            result = env.step({"answer": "1"})
-            assert time.monotonic() - started < servers.SLOW_STEP_S
-            assert (result.done, result.reward, result.observation["correct"]) == (True, 0.0, False)
-            assert result.observation["info"]["stop_reason"] == "timeout"
-            assert env.reset(task_id=1).observation["info"]["task_id"] == 1  # a fresh env
+def test_a_slow_step_ends_its_episode_as_timeout_and_the_session_goes_on(faulty):
+    with session(faulty) as env:
+        env.reset(task_id=0)
+        started = time.monotonic()
+        result = env.step({"text": "sleep"})
+        assert time.monotonic() - started < servers.SLOW_STEP_S
+        assert (result.done, result.reward, result.observation["correct"]) == (True, 0.0, False)
+        assert result.observation["info"]["stop_reason"] == "timeout"
+        assert env.reset(task_id=1).observation["info"]["task_id"] == 1  # a fresh env
+        assert not env.step({"text": "no call"}).done  # and it steps
 
-        client = agentenv.make("OpenEnv-v0", base_url=url)
-        client.reset(options={"task_id": 0})
-        with pytest.raises(AgentEnvError, match="ran past 0.5 s"):
-            client.step("<answer>1</answer>")  # collect() ends the episode as env_error
-        client.close()
+    client = agentenv.make("OpenEnv-v0", base_url=faulty)
+    client.reset(options={"task_id": 0})
+    with pytest.raises(AgentEnvError, match="ran past 0.5 s"):
+        client.step("sleep")  # collect() ends the episode as env_error
+    client.close()
 
 
-def test_a_step_that_raises_ends_only_its_episode(tmp_path):
-    with servers.serve("RaisingCalculator-v0", tmp_path / "raise.log") as url:
-        with session(url) as env:
-            env.reset(task_id=0)
-            result = env.step({"text": "<answer>1</answer>"})
-            assert result.done and result.observation["info"]["stop_reason"] == "env_error"
-            assert "the tool's backend is down" in result.observation["info"]["error"]
-            assert env.reset(task_id=2).observation["info"]["task_id"] == 2
+def test_a_step_that_raises_ends_only_its_episode(faulty):
+    with session(faulty) as env:
+        env.reset(task_id=0)
+        result = env.step({"text": "raise"})
+        assert result.done and result.observation["info"]["stop_reason"] == "env_error"
+        assert "the tool's backend is down" in result.observation["info"]["error"]
+        assert env.reset(task_id=2).observation["info"]["task_id"] == 2
 
 
 def test_agentenv_client_env_is_the_served_env(calculator):
