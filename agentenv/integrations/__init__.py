@@ -9,6 +9,11 @@ Each module imports its library on use; install the extra first:
 * :mod:`agentenv.integrations.verifiers`: a verifiers (>= 0.4) taskset, env and harness,
   loaded by verifiers as the plugin ``agentenv-verifiers``
   (``pip install 'agentenv[verifiers]'``).
+* :mod:`agentenv.integrations.openenv`: any env served as an OpenEnv server (``agentenv
+  serve``), OpenEnv servers as agentenv envs (``OpenEnv-v0``), and TRL on a served env
+  (``pip install 'agentenv[openenv]'``).
+* :mod:`agentenv.integrations.gem`: the ids in GEM's registry, for ``gem.make`` and its
+  vector envs (``pip install --no-deps gem-llm``).
 
 Plain Gymnasium needs no module: ``gymnasium.make("agentenv/Calculator-v0")`` and
 ``gymnasium.make_vec(..., vectorization_mode="sync" | "async")`` work after ``import agentenv``.
