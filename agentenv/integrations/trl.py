@@ -78,18 +78,15 @@ class AgentEnvironment:
     _env_id: str = ""
     _env_kwargs: dict[str, Any] = {}
 
-    def __init__(self) -> None:
-        env = make(self._env_id, **self._env_kwargs)
-        self._env = env
-        self._inner: ToolEnv = env.unwrapped  # type: ignore[assignment]
+    def __init__(self) -> None:  # TRL calls the factory with no arguments
         self._task_id: int | None = None
         self._tool_calls = 0
         self._tool_errors = 0
-        weakref.finalize(self, env.close)  # TRL never closes its environments
+        self._open()
 
     def reset(self, task_id: int, **row: Any) -> None:
         """Start the row's task; the prompt is already in the row, so nothing is appended."""
-        self._env.reset(options={"task_id": int(task_id)})
+        self._start(int(task_id))
         self._task_id = int(task_id)
         self._tool_calls = 0
         self._tool_errors = 0
@@ -97,15 +94,33 @@ class AgentEnvironment:
     def _call(self, name: str, arguments: dict[str, Any]) -> str:
         if self._task_id is None:
             raise RuntimeError(f"{name} was called before reset(task_id=...)")
-        (result,) = self._inner.executor.run([ToolCall(name=name, arguments=arguments)])
+        content, failed = self._run(name, arguments)
         self._tool_calls += 1
-        self._tool_errors += result.error is not None
-        return result.content
+        self._tool_errors += failed
+        return content
 
     def _score(self, text: str) -> tuple[float, dict[str, Any]]:
         """Reward and info for the final assistant text: its answer, scored by the env."""
         if self._task_id is None:
             raise RuntimeError("the episode was scored before reset(task_id=...)")
+        return self._reward(text)
+
+    # ---- where the env lives: here, in-process (agentenv.integrations.openenv: a server)
+    def _open(self) -> None:
+        env = make(self._env_id, **self._env_kwargs)
+        self._env = env
+        self._inner: ToolEnv = env.unwrapped  # type: ignore[assignment]
+        weakref.finalize(self, env.close)  # TRL never closes its environments
+
+    def _start(self, task_id: int) -> None:
+        self._env.reset(options={"task_id": task_id})
+
+    def _run(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+        """One tool call: its result text, and whether it failed."""
+        (result,) = self._inner.executor.run([ToolCall(name=name, arguments=arguments)])
+        return result.content, result.error is not None
+
+    def _reward(self, text: str) -> tuple[float, dict[str, Any]]:
         answer = self._inner.parser.parse(text).answer
         if answer is None:
             return 0.0, {"correct": False, "answer": None}

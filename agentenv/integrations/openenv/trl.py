@@ -33,48 +33,35 @@ class RemoteEnvironment(AgentEnvironment):
 
     _base_url: str = ""
 
-    def __init__(self) -> None:  # TRL calls the factory with no arguments
+    def _open(self) -> None:
         self._client = _connect(self._base_url)
-        self._task_id: int | None = None
-        self._tool_calls = 0
-        self._tool_errors = 0
+        self._server_errors = 0  # the served episode's num_tool_errors so far
         weakref.finalize(self, self._client.close)  # TRL never closes its environments
 
-    def reset(self, task_id: int, **row: Any) -> None:
-        """Start the row's task on the server; the prompt is already in the row."""
-        self._client.reset(task_id=int(task_id))
-        self._task_id = int(task_id)
-        self._tool_calls = 0
-        self._tool_errors = 0
+    def _start(self, task_id: int) -> None:
+        self._client.reset(task_id=task_id)
+        self._server_errors = 0
 
-    def _call(self, name: str, arguments: dict[str, Any]) -> str:
-        if self._task_id is None:
-            raise RuntimeError(f"{name} was called before reset(task_id=...)")
-        self._tool_calls += 1
+    def _run(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         try:
             result = self._client.step({"tool": name, "arguments": arguments})
         except RuntimeError as exc:  # e.g. the episode is over: an error, as text
-            self._tool_errors += 1
-            return f"Error: {exc}"
+            return f"Error: {exc}", True
         info = result.observation.get("info", {})
-        if "error" in info:
-            self._tool_errors += 1
-            return f"Error: {info['error']}"
-        self._tool_errors = max(self._tool_errors, int(info.get("num_tool_errors", 0)))
-        return "\n".join(m["content"] for m in result.observation.get("messages", []))
+        if "error" in info:  # the step timed out or raised: the served episode is over
+            return f"Error: {info['error']}", True
+        errors = int(info.get("num_tool_errors", self._server_errors))
+        failed, self._server_errors = errors > self._server_errors, errors
+        return "\n".join(m["content"] for m in result.observation.get("messages", [])), failed
 
-    def _score(self, text: str) -> tuple[float, dict[str, Any]]:
-        if self._task_id is None:
-            raise RuntimeError("the episode was scored before reset(task_id=...)")
+    def _reward(self, text: str) -> tuple[float, dict[str, Any]]:
         try:
             result = self._client.step({"text": text})
         except RuntimeError:  # the episode ended before the answer (max_turns)
             return 0.0, {"correct": False, "answer": None}
-        info = result.observation.get("info", {})
-        return float(result.reward or 0.0), {
-            **info,
-            "correct": bool(result.observation.get("correct")),
-        }
+        observation = result.observation
+        info = {**observation.get("info", {}), "correct": bool(observation.get("correct"))}
+        return float(result.reward or 0.0), info
 
 
 def _schema_params(parameters: dict[str, Any]) -> list[inspect.Parameter]:
