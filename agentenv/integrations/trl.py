@@ -164,6 +164,11 @@ def tool_method(
     return method
 
 
+def class_stem(env_id: str) -> str:
+    """A class-name stem for an env id: ``"agentenv/Calculator-v0"`` -> ``"Calculator"``."""
+    return "".join(c for c in env_id.split("/")[-1].split("-v")[0].title() if c.isalnum())
+
+
 def environment_factory(env_id: str, **env_kwargs: Any) -> type[AgentEnvironment]:
     """A TRL ``environment_factory``: a class whose instances each own one ``env_id`` env.
 
@@ -194,7 +199,7 @@ def environment_factory(env_id: str, **env_kwargs: Any) -> type[AgentEnvironment
                 f"{env_id}'s tool {tool.name!r} cannot be a TRL tool method: the names "
                 f"{sorted(reserved)} and names starting with '_' are not exposed; rename it"
             )
-    name = "".join(c for c in env_id.split("/")[-1].split("-v")[0].title() if c.isalnum())
+    name = class_stem(env_id)
     namespace: dict[str, Any] = {t.name: _tool_method(t) for t in tools}
     namespace.update(
         _env_id=env_id,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, ClassVar
@@ -12,6 +11,7 @@ from agentenv.env.core import SPLITS, ToolEnv
 from agentenv.env.parsers import ToolCall
 from agentenv.env.registration import make
 from agentenv.errors import InvalidOptionError
+from agentenv.integrations.trl import class_stem
 
 try:
     from openenv.core.env_server import create_app
@@ -103,7 +103,6 @@ class AgentEnvServer(Environment):
         self._env: Any = None  # the gym-wrapped agentenv env
         self._pool: ThreadPoolExecutor | None = None  # runs steps, so they can time out
         self._state = AgentEnvState(env_id=self.env_id)
-        self._lock = threading.Lock()
 
     # ---- OpenEnv API ------------------------------------------------------------------
     def reset(
@@ -237,14 +236,13 @@ def server_class(
 ) -> type[AgentEnvServer]:
     """The :class:`AgentEnvServer` subclass that serves ``env_id`` with ``env_kwargs``.
 
-    Makes one env first, so a bad id or argument fails here, before any server starts.
+    Makes no env: :func:`app` checks the id and arguments first (:func:`env_info` makes
+    the env of each split), before any server starts.
     """
     if step_timeout_s is not None and step_timeout_s <= 0:
         raise InvalidOptionError(f"step_timeout_s must be > 0 or None, got {step_timeout_s}")
-    make(env_id, **env_kwargs).close()
-    name = "".join(c for c in env_id.split("/")[-1].title() if c.isalnum())
     return type(
-        f"{name}Server",
+        f"{class_stem(env_id)}Server",
         (AgentEnvServer,),
         {
             "env_id": env_id,
@@ -290,8 +288,12 @@ def app(
     """
     if max_sessions < 1:
         raise InvalidOptionError(f"max_sessions must be >= 1, got {max_sessions}")
-    cls = server_class(env_id, step_timeout_s=step_timeout_s, **env_kwargs)
+    split = env_kwargs.get("split", "train")
+    if split not in SPLITS:
+        raise InvalidOptionError(f"split must be one of {SPLITS}, got {split!r}")
+    # makes the env of each split: a bad id or argument fails here, before serving
     info = env_info(env_id, **{k: v for k, v in env_kwargs.items() if k != "split"})
+    cls = server_class(env_id, step_timeout_s=step_timeout_s, **env_kwargs)
     application = create_app(
         cls,
         AgentEnvAction,

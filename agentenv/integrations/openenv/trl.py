@@ -10,7 +10,7 @@ from typing import Any
 from agentenv.errors import InvalidOptionError
 from agentenv.integrations.openenv.client import _connect, server_info
 from agentenv.integrations.openenv.server import INFO_ROUTE
-from agentenv.integrations.trl import AgentEnvironment, tool_method
+from agentenv.integrations.trl import AgentEnvironment, class_stem, tool_method
 
 JSON_TYPES: dict[str, type] = {
     "string": str,
@@ -121,5 +121,4 @@ def environment_factory(base_url: str) -> type[RemoteEnvironment]:
         __doc__=f"The agentenv env {env_id} served at {base_url}, as a TRL environment.",
         __module__=__name__,
     )
-    name = "".join(c for c in env_id.split("/")[-1].split("-v")[0].title() if c.isalnum())
-    return type(f"Remote{name}Environment", (RemoteEnvironment,), namespace)
+    return type(f"Remote{class_stem(env_id)}Environment", (RemoteEnvironment,), namespace)
