@@ -262,6 +262,7 @@ def _start(
     threads = torch.get_num_threads()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     from vllm import LLM
+    from vllm.platforms import current_platform
 
     llm = LLM(
         model=path,
@@ -272,6 +273,11 @@ def _start(
         kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
+        # On a CPU, a seeded request whose prompt is split over two steps (chunked
+        # prefill) crashes vLLM 0.32: it rewinds the request's generator, which only a
+        # CUDA generator can do ("CPU Generator does not use offset"). Every row here is
+        # seeded, so on a CPU each prompt is prefilled in one step.
+        enable_chunked_prefill=not current_platform.is_cpu(),
     )
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

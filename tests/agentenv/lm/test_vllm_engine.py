@@ -120,6 +120,22 @@ def test_a_lora_model_is_sampled_with_its_adapter_merged(tokenizer, start):
 
 
 @needs_vllm
+def test_more_seeded_prompt_tokens_than_one_step_holds_sample_as_each_row_alone(tokenizer, start):
+    """15 different seeded prompts of ~300 tokens: more than vLLM's 4,096 tokens a step.
+    With chunked prefill, the prompt cut between two steps crashed vLLM's CPU build
+    ("CPU Generator does not use offset": it rewinds a seeded row's generator, which only
+    CUDA generators can); the engine turns chunked prefill off on a CPU."""
+    model = small(tokenizer)
+    policy = start(model, tokenizer)
+    batch = [tokenizer.encode(f"{i} " + "word " * 300, add_special_tokens=False) for i in range(15)]
+    assert sum(map(len, batch)) > 4096
+    together = policy.generate(batch, SAMPLING, seeds=list(range(15)))
+    assert [len(g.token_ids) for g in together] == [SAMPLING.max_new_tokens] * 15
+    alone = policy.generate([batch[7]], SAMPLING, seeds=[7])[0]
+    assert alone.token_ids == together[7].token_ids
+
+
+@needs_vllm
 def test_continuous_collection_adds_each_turn_to_vllms_engine(tokenizer, start):
     model = small(tokenizer)
     check_continuous_collection(start(model, tokenizer), model, tokenizer)
