@@ -75,6 +75,12 @@ class EngineConfig:
         "vllm: run the model uncompiled (starts in seconds; on a GPU set it false: CUDA "
         "graphs decode faster after a minute or two of compiling).",
     )
+    vllm_sleep_mode: bool = option(
+        False,
+        "vllm: between rollouts, free vLLM's GPU memory (weights and KV cache, vLLM's sleep "
+        "level 2) for the training phase; the weights are pushed again before the next "
+        "rollout. GPU only (vLLM has no sleep mode on a CPU).",
+    )
 
     server_url: str | None = option(
         None, "server: the server's base URL, e.g. http://127.0.0.1:8000/v1."

@@ -30,6 +30,14 @@ def check_engine(config: EngineConfig) -> None:
         reason = vllm_missing()
         if reason is not None:
             raise InvalidOptionError(f"engine vllm: {reason}")
+        if config.vllm_sleep_mode:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_sleep_mode_available():
+                raise InvalidOptionError(
+                    f"vllm_sleep_mode: vLLM has no sleep mode on this platform "
+                    f"({current_platform.device_type}); it needs a GPU. Leave it false here."
+                )
 
 
 def server_api_key(config: EngineConfig) -> str | None:
@@ -88,4 +96,5 @@ def make_policy(
         kv_cache_gb=config.vllm_kv_cache_gb,
         max_model_len=config.vllm_max_model_len,
         enforce_eager=config.vllm_enforce_eager,
+        sleep_mode=config.vllm_sleep_mode,
     )

@@ -15,6 +15,11 @@ their log-probs out. It is TRL's ``vllm_mode="colocate"`` done the same way:
   full model's size per step (270 MB for SmolLM2-135M in bf16), the trained model itself
   untouched. The first call pushes too, so a warm start or a resumed run samples from its
   own weights, not the checkpoint vLLM loaded at start.
+* **memory between phases** (``sleep_mode``, GPU only): as TRL's ``vllm_enable_sleep_mode``,
+  vLLM sleeps at level 2 (weights and KV cache freed) whenever a collection ends
+  (:meth:`VLLMPolicy.clear_cache`) and wakes before the next generation: weights first,
+  then the trained weights pushed (level 2 discarded them), then the KV cache. vLLM has
+  no sleep mode on a CPU, so this path has not run on this project's machines.
 * **per-row seeds** (``SamplingParams.seed``): a row's tokens do not depend on its batch.
 * **stop strings** end a turn; the token that completed one is kept, as the sampler does.
 
@@ -74,6 +79,8 @@ class VLLMPolicy:
         enforce_eager: Skip compiling the model (starts in seconds instead of a minute or
             two; decodes slower on a GPU, where CUDA graphs pay).
         seed: vLLM's own seed (rows given no seed draw from it).
+        sleep_mode: Free vLLM's GPU memory between collections (see the module
+            docstring; GPU only).
     """
 
     def __init__(
@@ -88,6 +95,7 @@ class VLLMPolicy:
         max_model_len: int = 4096,
         enforce_eager: bool = True,
         seed: int = 0,
+        sleep_mode: bool = False,
     ):
         reason = vllm_missing()
         if reason is not None:
@@ -110,7 +118,13 @@ class VLLMPolicy:
         self._version: int | None = None  # nothing pushed yet: vLLM holds model_path's weights
         self.syncs = 0  # weight pushes so far
         self._row_ids = itertools.count()  # request ids of decoder rows
-        self.llm = _start(model_path, dtype, kv_cache_gb, max_model_len, enforce_eager, seed)
+        self.sleep_mode = sleep_mode
+        self.llm = _start(
+            model_path, dtype, kv_cache_gb, max_model_len, enforce_eager, seed, sleep_mode
+        )
+        self.asleep = False
+        if sleep_mode:  # nothing to keep before the first rollout: its weights come pushed
+            self.clear_cache()
 
     def close(self) -> None:
         """Shut vLLM's engine down now (idempotent). Its parallel groups are this process's
@@ -127,9 +141,23 @@ class VLLMPolicy:
         were never pushed)."""
         if self.llm is None:
             raise EngineError("this VLLMPolicy was closed; start a new one to sample again")
+        if self.asleep:  # level 2 freed the weights: wake them, push ours, then the cache
+            self.llm.wake_up(tags=["weights"])
+            self.sync()
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+            return
         version = trainable_version(self._trainable)
         if self._version != version:
             self.sync()
+
+    def clear_cache(self) -> None:
+        """The end of a collection (``collect`` calls it): with ``sleep_mode``, vLLM frees
+        its GPU memory until the next generation; otherwise nothing to do (vLLM's prefix
+        cache is dropped when new weights are pushed)."""
+        if self.sleep_mode and not self.asleep and self.llm is not None:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -253,7 +281,13 @@ class EngineSteps:
 
 
 def _start(
-    path: str, dtype: str, kv_cache_gb: float, max_model_len: int, eager: bool, seed: int
+    path: str,
+    dtype: str,
+    kv_cache_gb: float,
+    max_model_len: int,
+    eager: bool,
+    seed: int,
+    sleep_mode: bool = False,
 ) -> Any:
     """An in-process ``vllm.LLM`` that leaves this process's torch threads as they were."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
@@ -278,6 +312,7 @@ def _start(
         # CUDA generator can do ("CPU Generator does not use offset"). Every row here is
         # seeded, so on a CPU each prompt is prefilled in one step.
         enable_chunked_prefill=not current_platform.is_cpu(),
+        enable_sleep_mode=sleep_mode,
     )
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -191,6 +191,20 @@ def test_engine_config_rejects_an_unknown_engine_and_bad_sizes():
         EngineConfig(engine="vllm", vllm_kv_cache_gb=0)
 
 
+@needs_vllm
+def test_sleep_mode_is_refused_before_loading_where_vllm_has_none():
+    """vLLM has sleep mode on GPUs only: on this CPU, asking for it is an error naming the
+    fix, raised by the pre-flight check (before any model loads)."""
+    from vllm.platforms import current_platform
+
+    from agentenv.lm.engines import check_engine
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip("vLLM has sleep mode here (a GPU): nothing to refuse")
+    with pytest.raises(InvalidOptionError, match="vllm_sleep_mode.*needs a GPU"):
+        check_engine(EngineConfig(engine="vllm", vllm_sleep_mode=True))
+
+
 @pytest.mark.skipif(missing is None, reason="vllm imports here")
 def test_engine_vllm_without_vllm_fails_before_any_model_loads():
     from agentenv.lm.engines import check_engine
