@@ -1,4 +1,5 @@
-"""Attention for bfloat16 on a CPU, shared by the sampler and the learner.
+"""Attention on a CPU: for bfloat16, shared by the sampler and the learner; in-place KV
+caches for the sampler in bfloat16 and float32.
 
 PyTorch's fused CPU attention kernel is slow in bfloat16: about 8x slower than in float32
 for a few query tokens over a long KV cache (1.6 ms vs 0.2 ms per layer at batch 8, 400
@@ -22,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 CPU_BF16_ATTENTION = "agentenv_cpu_bf16"  # registered with transformers on first use
+CPU_CACHE_ATTENTION = "agentenv_cpu_sdpa"  # SDPA over in-place caches (float32 sampling)
 
 
 def grouped_attention(
@@ -82,6 +84,32 @@ def grouped_attention(
     return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
 
 
+def sdpa_over_buffers(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention over :class:`AppendCacheLayer` buffers (a
+    transformers attention function): the mask is extended over the buffers' spare
+    slots, which it masks out. What the sampler decodes with in float32 on a CPU, where
+    the fused kernel is fast and appending in place saves copying the whole cache every
+    step (``DynamicLayer`` concatenates). Shapes as :func:`grouped_attention`'s."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    length = key.shape[2]
+    if attention_mask is not None and attention_mask.shape[-1] < length:
+        attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[-1]))
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+    )
+
+
 def cached_forward(model: torch.nn.Module, cache: Any, **inputs: Any) -> tuple[torch.Tensor, Any]:
     """``model(**inputs, use_cache=True)`` continuing the KV ``cache`` (None: the model
     starts its own); returns the logits and the cache (None where the model keeps none,
@@ -106,17 +134,27 @@ def _cache_argument(cls: type) -> str:
 @functools.cache
 def register() -> str:
     """Register :func:`grouped_attention` with transformers; return its name."""
+    return _register(CPU_BF16_ATTENTION, grouped_attention)
+
+
+@functools.cache
+def register_cache_attention() -> str:
+    """Register :func:`sdpa_over_buffers` with transformers; return its name."""
+    return _register(CPU_CACHE_ATTENTION, sdpa_over_buffers)
+
+
+def _register(name: str, function: Any) -> str:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    AttentionInterface.register(CPU_BF16_ATTENTION, grouped_attention)
+    AttentionInterface.register(name, function)
 
     def always_a_mask(*args: Any, **kwargs: Any) -> Any:
         # keys may carry spare slots past the valid ones (AppendCacheLayer): never skip
         return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
-    AttentionMaskInterface.register(CPU_BF16_ATTENTION, always_a_mask)
-    return CPU_BF16_ATTENTION
+    AttentionMaskInterface.register(name, always_a_mask)
+    return name
 
 
 def wants_grouped(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -132,6 +170,25 @@ def wants_grouped(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     )
 
 
+def sampler_attention(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """The attention the sampler decodes ``model`` with (registered with transformers),
+    None for the model's own: on a CPU with SDPA, :func:`grouped_attention` in bfloat16
+    and :func:`sdpa_over_buffers` in float32, both over in-place KV caches
+    (:func:`append_cache`)."""
+    if wants_grouped(model, dtype):
+        return register()
+    config = getattr(model, "config", None)
+    device = next(model.parameters()).device
+    if (
+        config is not None
+        and device.type == "cpu"
+        and dtype == torch.float32
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+    ):
+        return register_cache_attention()
+    return None
+
+
 def use_cpu_bf16_attention(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Switch ``model`` (computing in ``dtype``) to :func:`grouped_attention` where that
     pays (:func:`wants_grouped`); return whether it did. The same values as SDPA up to
@@ -144,12 +201,14 @@ def use_cpu_bf16_attention(model: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 def append_cache(model: torch.nn.Module) -> Any | None:
     """An empty KV cache whose layers append in place (:class:`AppendCacheLayer`), for a
-    model that uses :func:`grouped_attention` and full attention in every layer; None
-    otherwise (the model then makes its own ``DynamicCache``)."""
+    model that uses :func:`grouped_attention` or :func:`sdpa_over_buffers` and full
+    attention in every layer; None otherwise (the model then makes its own
+    ``DynamicCache``)."""
     from transformers import DynamicCache
 
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != CPU_BF16_ATTENTION:
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in (CPU_BF16_ATTENTION, CPU_CACHE_ATTENTION):
         return None
     cache = DynamicCache(config=config)
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):

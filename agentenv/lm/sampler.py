@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from agentenv.lm.attention import append_cache, cached_forward, wants_grouped
-from agentenv.lm.attention import register as register_grouped_attention
+from agentenv.lm.attention import append_cache, cached_forward, sampler_attention
 from agentenv.lm.decoding import Decoder, drain, plain_layers
 from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
 from agentenv.lm.precision import resolve_dtype
@@ -162,12 +161,14 @@ class TransformersPolicy:
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
-        """While decoding: no autograd, grouped attention where it pays (see
-        :mod:`agentenv.lm.attention`) and a contiguous LM-head input."""
+        """While decoding: no autograd, the CPU attention over in-place KV caches where it
+        pays (:func:`~agentenv.lm.attention.sampler_attention`) and a contiguous LM-head
+        input."""
         config = self.model.config
         attention = config._attn_implementation
-        if wants_grouped(self.model, self.dtype):
-            config._attn_implementation = register_grouped_attention()
+        chosen = sampler_attention(self.model, self.dtype)
+        if chosen is not None:
+            config._attn_implementation = chosen
         head = self.model.get_output_embeddings()
         hook = head.register_forward_pre_hook(_contiguous_input) if head is not None else None
         try:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from agentenv.lm.attention import (
     CPU_BF16_ATTENTION,
+    CPU_CACHE_ATTENTION,
     AppendCacheLayer,
     grouped_attention,
     use_cpu_bf16_attention,
@@ -72,9 +73,13 @@ def test_a_cpu_model_switches_only_for_a_bf16_compute_dtype(tokenizer, dtype, ex
     assert (logits.float() - sdpa.float()).abs().max() < 0.1
 
 
-def test_append_cache_decodes_what_a_dynamic_cache_does(tiny_model, tokenizer, monkeypatch):
-    """bf16 sampling with in-place KV appends (small spare room: several regrowths, rows
-    dropped, a continued turn) gives the tokens and log-probs of transformers' cache."""
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 1e-2), ("float32", 1e-5)])
+def test_append_cache_decodes_what_a_dynamic_cache_does(
+    tiny_model, tokenizer, monkeypatch, dtype, tolerance
+):
+    """Sampling with in-place KV appends (small spare room: several regrowths, rows
+    dropped, a continued turn) gives the tokens and log-probs of transformers' cache:
+    grouped attention in bf16, SDPA over the buffers in float32."""
     import agentenv.lm.attention as attention
     from agentenv.lm import sampler
     from agentenv.lm.engine import SamplingConfig
@@ -87,7 +92,7 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(tiny_model, tokenizer, m
     def run(use_append: bool):
         if not use_append:
             monkeypatch.setattr(sampler, "append_cache", lambda model: None)
-        policy = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16")
+        policy = TransformersPolicy(tiny_model, tokenizer, dtype=dtype)
         first = policy.generate(prompts, sampling, seeds=[1, 2, 3])
         stop = first[0].token_ids[4]  # ends row 0 early the second time: a row is dropped
         policy.stop_token_ids = [stop]
@@ -97,7 +102,22 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(tiny_model, tokenizer, m
     appended, dynamic = run(True), run(False)
     assert [g.token_ids for g in appended] == [g.token_ids for g in dynamic]
     for a, b in zip(appended, dynamic, strict=True):
-        assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=1e-2)
+        assert a.sampler_logprobs == pytest.approx(b.sampler_logprobs, abs=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [(torch.bfloat16, CPU_BF16_ATTENTION), (torch.float32, CPU_CACHE_ATTENTION)],
+)
+def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(tokenizer, dtype, expected):
+    from agentenv.lm.attention import append_cache, sampler_attention
+
+    model = tiny_model(tokenizer)
+    assert sampler_attention(model, dtype) == expected
+    model.config._attn_implementation = expected
+    assert all(type(layer) is AppendCacheLayer for layer in append_cache(model).layers)
+    model.config._attn_implementation = "eager"  # a model that asked for its own attention
+    assert sampler_attention(model, dtype) is None and append_cache(model) is None
 
 
 def test_append_cache_layer_grows_in_place_and_reports_valid_slots():
