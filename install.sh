@@ -50,6 +50,15 @@ fi
 # gem-llm without its pins (reasoning-gym==0.1.23 would replace agentenv's newer one)
 "$PY" -m pip install --no-deps "gem-llm==0.1.0" \
   || echo "install.sh: gem-llm did not install; the GEM tests will skip"
+# verl's agent loop (agentenv.integrations.verl), --no-deps: verl 0.9.1 declares
+#    transformers<5.11 (its agent-loop code runs on ours) and many GPU extras. What
+#    `import verl.experimental.agent_loop` needs, pinned to add nothing to what is here:
+#    ray (verl's server client calls Ray actors; ~250 MB, ~15 s); tensordict 0.8.3 (0.9 and
+#    0.10 need pyvers<0.2, which pins packaging<26); hydra-core 1.4.0rc1 (1.3 needs antlr4
+#    4.9, older than math-verify's 4.13; 1.4.0rc2 wants omegaconf 2.4.1rc1).
+"$PY" -m pip install --no-deps "verl==0.9.1" "ray==2.60.0" "tensordict==0.8.3" \
+  "hydra-core==1.4.0rc1" "codetiming==1.4.0" \
+  || echo "install.sh: verl did not install; the verl tests will skip"
 # 5. optional (--vllm): vLLM, agentenv and TRL in a venv of their own, .venv-vllm/: vLLM's
 #    OpenAI server for --engine server, --engine vllm (docs/training.md#engines), and TRL
 #    with use_vllm for benchmarks/grpo_step.py --engines vllm.

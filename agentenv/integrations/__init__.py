@@ -14,6 +14,9 @@ Each module imports its library on use; install the extra first:
   (``pip install 'agentenv[openenv]'``).
 * :mod:`agentenv.integrations.gem`: the ids in GEM's registry, for ``gem.make`` and its
   vector envs (``pip install --no-deps gem-llm``).
+* :mod:`agentenv.integrations.verl`: a verl agent loop (``agent_name: agentenv``) that
+  plays one episode per dataset row through verl's inference servers (``pip install
+  --no-deps verl==0.9.1 ray ...`` as ``install.sh`` does).
 
 Plain Gymnasium needs no module: ``gymnasium.make("agentenv/Calculator-v0")`` and
 ``gymnasium.make_vec(..., vectorization_mode="sync" | "async")`` work after ``import agentenv``.
