@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py                       # all scenarios, 8 / 32 / 64 episodes
     python benchmarks/rollout.py --scenarios calc --sizes 8 64
+    python benchmarks/rollout.py --device cuda          # the model on a GPU (default: cpu)
     .venv-vllm/bin/python benchmarks/rollout.py --engines agentenv vllm   # and vLLM in-process
 
 For each scenario and number of episodes (G = 8 per task, sampled at temperature 1.0 from
@@ -32,7 +33,7 @@ import argparse
 import time
 from typing import Any
 
-from _common import peak_rss_mb, torch_threads
+from _common import peak_memory, torch_threads
 
 SCENARIOS = {
     "calc": {
@@ -161,6 +162,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", nargs="+", default=["agentenv"], choices=["agentenv", "vllm"])
     args = parser.parse_args()
@@ -170,16 +172,23 @@ def main() -> None:
     import agentenv
     from agentenv.lm import models
 
-    dtype = agentenv.resolve_dtype(args.dtype, "cpu")
-    model, tokenizer = models.load(args.model, dtype=dtype)
+    dtype = agentenv.resolve_dtype(args.dtype, args.device)
+    model, tokenizer = models.load(args.model, dtype=dtype, device=args.device)
     fmt = agentenv.ChatFormat(tokenizer)
-    print(f"# {args.model}, {dtype}, torch threads {torch_threads()}, torch {torch.__version__}")
+    print(
+        f"# {args.model}, {args.device}, {dtype}, torch threads {torch_threads()}, "
+        f"torch {torch.__version__}"
+    )
     for engine in args.engines:
         policy = make_policy(engine, model, tokenizer, args.model, dtype)
         print(f"## engine {engine}")
         run_engine(policy, fmt, args)
         del policy
-    print(f"peak RSS {peak_rss_mb():.0f} MiB")
+    peak = peak_memory(args.device)
+    gpu = peak.get("peak_gpu_mb")
+    print(
+        f"peak RSS {peak['peak_rss_mb']:.0f} MiB" + ("" if gpu is None else f", GPU {gpu:.0f} MiB")
+    )
 
 
 def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
