@@ -37,7 +37,7 @@ def smollm2():
     """
     from agentenv.lm.models import load
 
-    return load("smollm2-135m-instruct")
+    return load("smollm2-135m-instruct", device="cpu")  # CPU even where a GPU is visible
 
 
 @pytest.fixture(scope="session")

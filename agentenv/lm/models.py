@@ -112,6 +112,11 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    eos = gguf_special_ids(gguf).get("eos")
+    if eos is not None and tokenizer.eos_token_id != eos:
+        # the GGUF's own: transformers 5.17 read SmolLM2's eos as <|im_start|> (id 1), so
+        # turns would not end at <|im_end|> and TRL would move the model's eos token
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
     for attr in ("hf_quantizer", "quantization_method"):
         if hasattr(model, attr):
             delattr(model, attr)
@@ -120,6 +125,20 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     model.is_quantized = False
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+def gguf_special_ids(gguf: Path) -> dict[str, int]:
+    """The special token ids a GGUF file declares: ``{"bos" | "eos" | "pad": id}``."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    ids = {}
+    keys = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id"}
+    for name, key in keys.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            ids[name] = int(field.contents())
+    return ids
 
 
 @contextlib.contextmanager

@@ -256,10 +256,16 @@ class TransformersPolicy:
         """Keep row ``j``'s KV cache (its real slots only) for a continuation of ``key``."""
         if not self.reuse_cache or not plain_layers(cache):
             return
-        real = mask.bool().to(self.device)
-        layers = [(layer.keys[j][:, real], layer.values[j][:, real]) for layer in cache.layers]
-        if layers and layers[0][0].shape[1] == len(key):
-            self._saved[key] = layers
+        # the slot indices once, from the mask (on the CPU): a boolean index per layer
+        # would sync with a GPU 60 times per row (SmolLM2), and find them 60 times
+        real = mask.nonzero().squeeze(1)
+        if not cache.layers or len(real) != len(key):
+            return
+        real = real.to(self.device)
+        self._saved[key] = [
+            (layer.keys[j].index_select(1, real), layer.values[j].index_select(1, real))
+            for layer in cache.layers
+        ]
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -79,6 +79,10 @@ def test_conversion_writes_a_plain_cache_once(tmp_path, monkeypatch):
     assert (target / "model.safetensors").is_file()
     assert "quantization_config" not in json.loads((target / "config.json").read_text())
     assert [p.name for p in (tmp_path / "models").iterdir() if p.is_dir()] == [ALIAS]
+    # the GGUF's eos (<|im_end|>, 2), whatever this transformers reads (5.17: <|im_start|>)
+    tokenizer = json.loads((target / "tokenizer_config.json").read_text())
+    assert models.gguf_special_ids(models._gguf_file(ALIAS))["eos"] == 2
+    assert tokenizer["eos_token"] == "<|im_end|>"
 
     monkeypatch.setattr(models, "_convert_gguf", _explode)
     start = time.perf_counter()
