@@ -271,3 +271,20 @@ def test_a_bad_row_names_the_fix(server, model_dir, tmp_path, tokenizer):
         agentenv_verl.EpisodeSpec.from_row({"env_id": "Calculator-v0"})
     with pytest.raises(InvalidOptionError, match="no agentenv env_id.*dataset_rows"):
         agentenv_verl.EpisodeSpec.from_row({"index": 0})
+
+
+def test_an_env_that_raises_ends_its_episode_and_trains_nothing(
+    server, model_dir, tmp_path, tokenizer
+):
+    """The env's step raises on the first turn: the episode ends there as ``env_error``
+    (the error kept), with the turn the policy sampled in the response but masked out,
+    and the worker's batch goes on."""
+    worker, _ = verl_worker(server, model_dir, tmp_path)
+    row = agentenv_verl.dataset_rows("Calculator-v0", num_tasks=1, max_turns=3, **CALC)[0]
+    row["extra_info"]["env_id"] = "raising_env:RaisingCalculator-v0"  # imported by the loop
+    out = verl_rollout(worker, tokenizer, [row], tmp_path)
+    _, response, mask, _, reward = unpadded(out, 0)
+    fields = out.non_tensor_batch
+    assert fields["stop_reason"][0] == "env_error"
+    assert "the tool's backend is down" in fields["env_error"][0]
+    assert len(response) > 0 and mask == [0] * len(response) and reward == 0.0
