@@ -65,9 +65,8 @@ def grouped_attention(
     if attention_mask is None and q > 1:
         attention_mask = torch.ones((q, length), dtype=torch.bool, device=query.device)
         attention_mask = attention_mask.tril(length - q)[None, None]  # (1, 1, q, L)
-    elif attention_mask is not None and attention_mask.shape[-1] < length:
-        # keys from an AppendCacheLayer: its spare slots (zeros) sit after the mask's end
-        attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[-1]))
+    else:
+        attention_mask = _over_spare_slots(attention_mask, length)
     g = h // kv  # query heads per KV head; head i reads KV head i // g
     scores = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2))
     scores = scores * (scaling if scaling is not None else d**-0.5)  # (b, kv, g*q, L)
@@ -102,12 +101,18 @@ def sdpa_over_buffers(
     step (``DynamicLayer`` concatenates). Shapes as :func:`grouped_attention`'s."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    length = key.shape[2]
-    if attention_mask is not None and attention_mask.shape[-1] < length:
-        attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[-1]))
+    attention_mask = _over_spare_slots(attention_mask, key.shape[2])
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
     )
+
+
+def _over_spare_slots(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """``mask`` (``(..., L')``) extended to ``length`` keys, masking the rest: keys from an
+    :class:`AppendCacheLayer` carry spare slots (zeros) after the mask's end."""
+    if mask is None or mask.shape[-1] >= length:
+        return mask
+    return F.pad(mask, (0, length - mask.shape[-1]))
 
 
 def cached_forward(model: torch.nn.Module, cache: Any, **inputs: Any) -> tuple[torch.Tensor, Any]:
@@ -160,12 +165,15 @@ def _register(name: str, function: Any) -> str:
 def wants_grouped(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether ``model`` computing in ``dtype`` should use :func:`grouped_attention`: a
     model on the CPU that uses SDPA attention, computing in bfloat16."""
+    return dtype == torch.bfloat16 and _cpu_sdpa(model)
+
+
+def _cpu_sdpa(model: torch.nn.Module) -> bool:
+    """True for a model on the CPU that uses SDPA attention."""
     config = getattr(model, "config", None)
-    device = next(model.parameters()).device
     return (
         config is not None
-        and device.type == "cpu"
-        and dtype == torch.bfloat16
+        and next(model.parameters()).device.type == "cpu"
         and getattr(config, "_attn_implementation", None) == "sdpa"
     )
 
@@ -175,18 +183,11 @@ def sampler_attention(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     None for the model's own: on a CPU with SDPA, :func:`grouped_attention` in bfloat16
     and :func:`sdpa_over_buffers` in float32, both over in-place KV caches
     (:func:`append_cache`)."""
-    if wants_grouped(model, dtype):
+    if not _cpu_sdpa(model):
+        return None
+    if dtype == torch.bfloat16:
         return register()
-    config = getattr(model, "config", None)
-    device = next(model.parameters()).device
-    if (
-        config is not None
-        and device.type == "cpu"
-        and dtype == torch.float32
-        and getattr(config, "_attn_implementation", None) == "sdpa"
-    ):
-        return register_cache_attention()
-    return None
+    return register_cache_attention() if dtype == torch.float32 else None
 
 
 def use_cpu_bf16_attention(model: torch.nn.Module, dtype: torch.dtype) -> bool:
