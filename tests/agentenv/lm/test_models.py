@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import time
 
 import pytest
 import torch
@@ -65,31 +64,29 @@ def test_cached_smollm2_accepts_lora_and_backprops(smollm2, monkeypatch):
 
 
 @pytest.mark.slow
-def test_conversion_writes_a_plain_cache_once(tmp_path, monkeypatch):
-    """The suite's only real conversion, into a throwaway AGENTENV_HOME."""
-    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
-    start = time.perf_counter()
-    path = resolve(ALIAS)
-    converted = time.perf_counter() - start
+def test_conversion_writes_a_plain_cache_once(monkeypatch):
+    """The suite's only real conversion: into the user's cache, where the ``smollm2``
+    fixture finds it (converting once, whichever comes first); a second load reads it
+    and does not convert again."""
+    from agentenv.config import agentenv_home
 
-    target = tmp_path / "models" / ALIAS
+    path = resolve(ALIAS)
+
+    target = agentenv_home() / "models" / ALIAS
     assert path == str(target)
     meta = json.loads((target / models.MARKER).read_text())
     assert meta["source"].endswith(".gguf") and meta["size"] > 50_000_000
     assert (target / "model.safetensors").is_file()
     assert "quantization_config" not in json.loads((target / "config.json").read_text())
-    assert [p.name for p in (tmp_path / "models").iterdir() if p.is_dir()] == [ALIAS]
+    assert not list(target.parent.glob(f".{ALIAS}.tmp-*"))  # nothing half-written is left
     # the GGUF's eos (<|im_end|>, 2), whatever this transformers reads (5.17: <|im_start|>)
     tokenizer = json.loads((target / "tokenizer_config.json").read_text())
     assert models.gguf_special_ids(models._gguf_file(ALIAS))["eos"] == 2
     assert tokenizer["eos_token"] == "<|im_end|>"
 
     monkeypatch.setattr(models, "_convert_gguf", _explode)
-    start = time.perf_counter()
     model, _ = load(ALIAS)
-    cached = time.perf_counter() - start
     assert getattr(model.config, "quantization_config", None) is None
-    assert cached < converted / 3, (converted, cached)
 
 
 # --- cache logic, with a fake package and a cheap fake converter --------------------------

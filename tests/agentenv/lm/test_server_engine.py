@@ -39,10 +39,15 @@ def model_dir(tokenizer, tmp_path_factory):
     return save_small(tokenizer, tmp_path_factory.mktemp("served-tiny"))
 
 
+KEY = "sk-agentenv-test"  # the module's server asks for it, as `vllm serve --api-key` does
+KEY_ENV = "AGENTENV_TEST_SERVER_KEY"  # the variable a run's server_api_key_env names
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     assert PYTHON is not None
-    served = VLLMServer(PYTHON, model_dir, tmp_path_factory.mktemp("log") / "server.log")
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    served = VLLMServer(PYTHON, model_dir, log, api_key=KEY)
     yield served.start()
     served.stop()
 
@@ -50,7 +55,7 @@ def server(model_dir, tmp_path_factory):
 def policy_for(model, tokenizer, server, **kwargs):
     from agentenv.lm.server_engine import ServerPolicy
 
-    return ServerPolicy(model, tokenizer, url=server.url, **kwargs)
+    return ServerPolicy(model, tokenizer, url=server.url, api_key=KEY, **kwargs)
 
 
 def lora(model, r=4):
@@ -126,7 +131,10 @@ def _lora_loads(server) -> int:
 
 
 def _listed(server) -> set[str]:
-    with urllib.request.urlopen(f"{server.url}/models", timeout=10) as reply:
+    request = urllib.request.Request(
+        f"{server.url}/models", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:
         return {m["id"] for m in json.load(reply)["data"]}
 
 
@@ -190,7 +198,7 @@ agentenv.register("KillsServer-v0", entry_point=KillsServer, override=True)
 
 @needs_server
 def test_a_server_dying_mid_rollout_stops_the_run_clearly_and_it_resumes(
-    tokenizer, model_dir, tmp_path, monkeypatch
+    tokenizer, model_dir, server, tmp_path, monkeypatch
 ):
     from agentenv.run.config import TrainConfig
     from agentenv.run.tracking import read_metrics
@@ -221,30 +229,27 @@ def test_a_server_dying_mid_rollout_stops_the_run_clearly_and_it_resumes(
         first.stop()
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == ["step_000001", "step_000002"]  # nothing half-written
-    # the restarted server asks for an API key: the run reads it from the variable named
-    key = "sk-agentenv-test"
-    second = VLLMServer(PYTHON, model_dir, tmp_path / "second.log", api_key=key).start()
-    try:
-        generation = {"engine": "server", "server_url": second.url}
-        with pytest.raises(EngineError, match="answered 401"):
-            train(config=dataclasses.replace(config, generation=generation), resume=True)
-        monkeypatch.setenv("AGENTENV_TEST_SERVER_KEY", key)
-        generation["server_api_key_env"] = "AGENTENV_TEST_SERVER_KEY"
+    # the run resumes on another server (the module's), which asks for an API key: the
+    # run reads it from the variable named
+    generation = {"engine": "server", "server_url": server.url}
+    with pytest.raises(EngineError, match="answered 401"):
         train(config=dataclasses.replace(config, generation=generation), resume=True)
-    finally:
-        second.stop()
-    assert key not in (tmp_path / "run" / "config.json").read_text()
+    monkeypatch.setenv(KEY_ENV, KEY)
+    generation["server_api_key_env"] = KEY_ENV
+    train(config=dataclasses.replace(config, generation=generation), resume=True)
+    assert KEY not in (tmp_path / "run" / "config.json").read_text()
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
     assert all(r["rollout/tokens"] > 0 for r in rows)
     assert all(r["sampler/logprob_abs_diff_mean"] < 1e-3 for r in rows)
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints[-1] == "step_000003"
+    assert not any(name.startswith("agentenv-") for name in _listed(server))  # unloaded
 
 
 @needs_server
 def test_agentenv_eval_on_the_server_with_an_adapter_unloads_it_after(
-    tokenizer, model_dir, server, tmp_path
+    tokenizer, model_dir, server, tmp_path, monkeypatch
 ):
     """``agentenv eval --engine server --adapter ...``: the adapter is what the server
     samples (loaded before the first turn), and it is unloaded when eval ends."""
@@ -262,7 +267,8 @@ def test_agentenv_eval_on_the_server_with_an_adapter_unloads_it_after(
     loads = _lora_loads(server)
     argv = ["eval", "Calculator-v0", "--model", model_dir, "--adapter", str(checkpoint)]
     argv += ["--engine", "server", "--server-url", server.url, "--num-tasks", "2"]
-    argv += ["--max-new-tokens", "8", "--output", str(out)]
+    argv += ["--max-new-tokens", "8", "--output", str(out), "--server-api-key-env", KEY_ENV]
+    monkeypatch.setenv(KEY_ENV, KEY)
     assert main(argv) == 0
     assert len(EvalReport.load(out).per_task) == 2
     assert _lora_loads(server) == loads + 1  # the adapter, once, before the first turn

@@ -39,16 +39,14 @@ def launch(
 
 
 def test_two_processes_split_the_tasks_and_only_the_main_one_writes(tiny_model_dir, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    for processes, out in ((1, one), (2, two)):
-        proc = launch(processes, out, tiny_model_dir, "--steps", "2")
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    two = tmp_path / "two"  # (the next test runs the same steps in one process)
+    proc = launch(2, two, tiny_model_dir, "--steps", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (two / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2]  # one row per step, not one per process
     for step in (1, 2):  # the main process logs its share: 1 task x G=2 of the 2 tasks
         name = f"episodes/step_{step:06d}.jsonl"
         assert len((two / name).read_text().splitlines()) == 2
-        assert len((one / name).read_text().splitlines()) == 4
     assert json.loads((two / "config.json").read_text())["batch_size"] == 2
 
     proc = launch(2, two, tiny_model_dir, "--steps", "3", "--resume")  # resume, 2 processes
