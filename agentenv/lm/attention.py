@@ -98,10 +98,26 @@ def sdpa_over_buffers(
     transformers attention function): the mask is extended over the buffers' spare
     slots, which it masks out. What the sampler decodes with in float32 on a CPU, where
     the fused kernel is fast and appending in place saves copying the whole cache every
-    step (``DynamicLayer`` concatenates). Shapes as :func:`grouped_attention`'s."""
+    step (``DynamicLayer`` concatenates). Shapes as :func:`grouped_attention`'s.
+
+    A decode step (one query per row) runs each KV head's query group as that head's
+    queries, as transformers >= 5.24 does: before it (vLLM's CPU wheel pins < 5.20),
+    transformers copied every KV head once per query head, the whole cache every step
+    (64 rows: 84 -> 190 tok/s in float32 on a 2-core CPU)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     attention_mask = _over_spare_slots(attention_mask, key.shape[2])
+    b, h, q, d = query.shape
+    groups = h // key.shape[1]
+    if q == 1 and groups > 1 and h % key.shape[1] == 0 and not dropout:
+        out = F.scaled_dot_product_attention(
+            query.reshape(b, h // groups, groups, d),  # (b, kv, g, d): a group per KV head
+            key,
+            value,
+            attn_mask=attention_mask,  # (b, 1, 1, L): the same for every head
+            scale=scaling,
+        )
+        return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
     )

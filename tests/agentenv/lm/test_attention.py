@@ -9,6 +9,7 @@ from agentenv.lm.attention import (
     CPU_CACHE_ATTENTION,
     AppendCacheLayer,
     grouped_attention,
+    sdpa_over_buffers,
     use_cpu_bf16_attention,
 )
 from agentenv.lm.models import tiny_model
@@ -48,6 +49,30 @@ def test_no_mask_means_causal_and_one_query_sees_every_key():
     query, key, value = qkv(q=1)  # a decode step
     out, _ = grouped_attention(torch.nn.Module(), query, key, value, None)
     torch.testing.assert_close(out, reference(query, key, value, None), atol=1e-6, rtol=1e-5)
+
+
+def test_sdpa_over_buffers_decodes_each_kv_heads_group_without_copying_the_cache(monkeypatch):
+    """A decode step (one query per row) over buffers with 3 spare slots: the values of
+    SDPA over repeated KV heads, whatever this transformers does for grouped heads
+    (< 5.24 repeated the whole cache every step); a prefill (5 queries) as well."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    query, key, value = (t.detach() for t in qkv(q=1, length=12))  # 9 slots + 3 spare
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., :4] = False  # row 1: a left gap
+    full = F.pad(mask, (0, 3))  # the spare slots, masked
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda *a: pytest.fail("repeated the KV cache"))
+    out, _ = sdpa_over_buffers(module, query, key, value, mask)
+    assert out.shape == (3, 1, 6, 8)
+    torch.testing.assert_close(out, reference(query, key, value, full), atol=1e-6, rtol=1e-5)
+    monkeypatch.undo()
+    query, key, value = (t.detach() for t in qkv(q=5, length=12))
+    mask = torch.ones(3, 1, 5, 9, dtype=torch.bool).tril(4)
+    out, _ = sdpa_over_buffers(module, query, key, value, mask)
+    expected = reference(query, key, value, F.pad(mask, (0, 3)))
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_bf16_stays_within_bf16_rounding_of_float32():
