@@ -76,6 +76,7 @@ from algorithms.batching import (
     prompt_length,
 )
 from algorithms.config import (
+    GRPO_MICRO_BATCH_TOKENS,
     REFERENCE_ADAPTER,
     GRPOConfig,
 )
@@ -118,6 +119,8 @@ class GRPO(Trainer):
     Model preparation, optimizer, schedule and checkpoints are
     :class:`~algorithms.trainer.Trainer`'s; ``step`` counts ``learn()`` calls.
     """
+
+    micro_batch_defaults = GRPO_MICRO_BATCH_TOKENS
 
     def __init__(
         self,
@@ -351,7 +354,7 @@ class GRPO(Trainer):
             (i // g, prompt_length(episodes[i].action_mask)) for i in keep
         ]
         packs = pack_micro_batches(
-            [len(episodes[i].input_ids) for i in keep], cfg.micro_batch_tokens, prompts
+            [len(episodes[i].input_ids) for i in keep], self.micro_batch_tokens, prompts
         )
         rows = [[keep[j] for j in pack] for pack in packs]
         batches = [

@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.precision import autocast
 from algorithms.batching import EpisodeLike, MicroBatch, pack_micro_batches, padding_micro_batch
-from algorithms.config import SFTConfig
+from algorithms.config import SFT_MICRO_BATCH_TOKENS, SFTConfig
 from algorithms.logprobs import token_logprobs
 from algorithms.losses import masked_nll
 from algorithms.trainer import Trainer
@@ -35,6 +35,8 @@ class SFT(Trainer):
     checkpoints load with ``PeftModel.from_pretrained(base, ckpt / "adapter")`` and
     ``agentenv train --init-from ckpt``.
     """
+
+    micro_batch_defaults = SFT_MICRO_BATCH_TOKENS
 
     def __init__(
         self,
@@ -69,9 +71,7 @@ class SFT(Trainer):
         start = time.perf_counter()
         acc, device = self.accelerator, self.accelerator.device
         local_tokens = sum(sum(e.action_mask) for e in episodes)
-        packs = pack_micro_batches(
-            [len(e.input_ids) for e in episodes], self.config.micro_batch_tokens
-        )
+        packs = pack_micro_batches([len(e.input_ids) for e in episodes], self.micro_batch_tokens)
         (num_tokens,) = self._global([local_tokens], "sum")
         (num_batches,) = self._global([len(packs)], "max")
         if num_tokens == 0:

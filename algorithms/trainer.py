@@ -27,7 +27,7 @@ from transformers import get_scheduler
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import use_cpu_bf16_attention
 from agentenv.lm.precision import compute_dtype
-from algorithms.config import TrainerConfig, check_schedule
+from algorithms.config import TrainerConfig, check_schedule, micro_batch_tokens_for
 from algorithms.lora import apply_lora
 
 
@@ -53,7 +53,12 @@ class Trainer:
         step: Number of completed optimizer steps (restored by :meth:`load`).
         dtype: Compute dtype of every forward (``dtype=`` or the model's weights' dtype;
             see :mod:`agentenv.lm.precision`).
+        micro_batch_tokens: The config's, or where None the default for the device
+            (:func:`~algorithms.config.micro_batch_tokens_for`, from the subclass's
+            ``micro_batch_defaults``).
     """
+
+    micro_batch_defaults: dict[str, int]  # {"cpu": ..., "gpu": ...}, set by each subclass
 
     def __init__(
         self,
@@ -77,6 +82,9 @@ class Trainer:
         pad = tokenizer.pad_token_id
         self.pad_token_id: int = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self.accelerator = accelerator or default_accelerator(model)
+        self.micro_batch_tokens: int = cfg.micro_batch_tokens or micro_batch_tokens_for(
+            self.micro_batch_defaults, self.accelerator.device.type
+        )
         self.dtype = compute_dtype(model, dtype)  # autocast to it in every forward
         use_cpu_bf16_attention(model, self.dtype)  # the sampler's kernel; 3x faster backward
         self.seed = seed

@@ -11,7 +11,7 @@ from toy_episodes import SAMPLING, Ep, make_groups
 
 from agentenv.errors import InvalidOptionError
 from algorithms.batching import MicroBatch, pack_micro_batches
-from algorithms.config import GRPOConfig
+from algorithms.config import GRPO_MICRO_BATCH_TOKENS, GRPOConfig, SFTConfig
 from algorithms.grpo import GRPO
 from algorithms.logprobs import selective_log_softmax, token_logprobs
 from algorithms.losses import compute_advantages, kl_estimate, policy_loss
@@ -625,6 +625,20 @@ def test_a_failed_episode_is_left_out_exactly(tokenizer):
             -1 / 3 / (math.sqrt(2) / 3 + 1e-4),
         ]
     )
+
+
+def test_micro_batch_tokens_none_is_the_default_for_the_models_device(tokenizer):
+    from agentenv.lm.models import tiny_model as build
+    from algorithms.config import SFT_MICRO_BATCH_TOKENS, micro_batch_tokens_for
+    from algorithms.sft import SFT
+
+    assert GRPOConfig().micro_batch_tokens is None  # settled by the trainer, not the config
+    assert micro_batch_tokens_for(GRPO_MICRO_BATCH_TOKENS, "cpu") == 768
+    assert micro_batch_tokens_for(GRPO_MICRO_BATCH_TOKENS, "cuda") == 4096  # not launch-bound
+    assert micro_batch_tokens_for(SFT_MICRO_BATCH_TOKENS, "cpu") == 1024
+    assert GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING).micro_batch_tokens == 768
+    sft = SFT(build(tokenizer), tokenizer, SFTConfig(micro_batch_tokens=99))
+    assert sft.micro_batch_tokens == 99  # a value given wins
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
