@@ -108,10 +108,10 @@ def sdpa_over_buffers(
 
     attention_mask = _over_spare_slots(attention_mask, key.shape[2])
     b, h, q, d = query.shape
-    groups = h // key.shape[1]
-    if q == 1 and groups > 1 and h % key.shape[1] == 0 and not dropout:
+    kv = key.shape[1]
+    if q == 1 and h > kv and h % kv == 0 and not dropout:
         out = F.scaled_dot_product_attention(
-            query.reshape(b, h // groups, groups, d),  # (b, kv, g, d): a group per KV head
+            query.reshape(b, kv, h // kv, d),  # (b, kv, g, d): a group per KV head
             key,
             value,
             attn_mask=attention_mask,  # (b, 1, 1, L): the same for every head

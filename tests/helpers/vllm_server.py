@@ -55,6 +55,11 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.process: subprocess.Popen | None = None
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a request to the server carries: its API key as a bearer token, if any."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def start(self, timeout_s: float = 600) -> VLLMServer:
         env = {
             **os.environ,
@@ -79,8 +84,7 @@ class VLLMServer:
         deadline = time.time() + timeout_s
         while True:
             try:
-                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-                request = urllib.request.Request(f"{self.url}/models", headers=headers)
+                request = urllib.request.Request(f"{self.url}/models", headers=self.headers)
                 urllib.request.urlopen(request, timeout=2)
                 return self
             except OSError:

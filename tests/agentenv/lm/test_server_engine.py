@@ -131,9 +131,7 @@ def _lora_loads(server) -> int:
 
 
 def _listed(server) -> set[str]:
-    request = urllib.request.Request(
-        f"{server.url}/models", headers={"Authorization": f"Bearer {KEY}"}
-    )
+    request = urllib.request.Request(f"{server.url}/models", headers=server.headers)
     with urllib.request.urlopen(request, timeout=10) as reply:
         return {m["id"] for m in json.load(reply)["data"]}
 
