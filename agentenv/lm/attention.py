@@ -1,5 +1,5 @@
-"""Attention on a CPU: for bfloat16, shared by the sampler and the learner; in-place KV
-caches for the sampler in bfloat16 and float32.
+"""Attention on a CPU for bfloat16, shared by the sampler and the learner; in-place KV
+caches for the sampler (a CPU in bfloat16 and float32, a GPU in any dtype).
 
 PyTorch's fused CPU attention kernel is slow in bfloat16: about 8x slower than in float32
 for a few query tokens over a long KV cache (1.6 ms vs 0.2 ms per layer at batch 8, 400
@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 CPU_BF16_ATTENTION = "agentenv_cpu_bf16"  # registered with transformers on first use
-CPU_CACHE_ATTENTION = "agentenv_cpu_sdpa"  # SDPA over in-place caches (float32 sampling)
+CACHE_ATTENTION = "agentenv_sdpa_buffers"  # SDPA over in-place caches (sampling)
 
 
 def grouped_attention(
@@ -98,7 +98,8 @@ def sdpa_over_buffers(
     transformers attention function): the mask is extended over the buffers' spare
     slots, which it masks out. What the sampler decodes with in float32 on a CPU, where
     the fused kernel is fast and appending in place saves copying the whole cache every
-    step (``DynamicLayer`` concatenates). Shapes as :func:`grouped_attention`'s.
+    step (``DynamicLayer`` concatenates), and on a GPU (:func:`sampler_attention`). Shapes
+    as :func:`grouped_attention`'s.
 
     A decode step (one query per row) runs each KV head's query group as that head's
     queries, as transformers >= 5.24 does: before it (vLLM's CPU wheel pins < 5.20),
@@ -161,7 +162,7 @@ def register() -> str:
 @functools.cache
 def register_cache_attention() -> str:
     """Register :func:`sdpa_over_buffers` with transformers; return its name."""
-    return _register(CPU_CACHE_ATTENTION, sdpa_over_buffers)
+    return _register(CACHE_ATTENTION, sdpa_over_buffers)
 
 
 def _register(name: str, function: Any) -> str:
@@ -181,29 +182,34 @@ def _register(name: str, function: Any) -> str:
 def wants_grouped(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether ``model`` computing in ``dtype`` should use :func:`grouped_attention`: a
     model on the CPU that uses SDPA attention, computing in bfloat16."""
-    return dtype == torch.bfloat16 and _cpu_sdpa(model)
+    return dtype == torch.bfloat16 and _sdpa(model) and _device_type(model) == "cpu"
 
 
-def _cpu_sdpa(model: torch.nn.Module) -> bool:
-    """True for a model on the CPU that uses SDPA attention."""
+def _sdpa(model: torch.nn.Module) -> bool:
+    """True for a model that uses SDPA attention."""
     config = getattr(model, "config", None)
-    return (
-        config is not None
-        and next(model.parameters()).device.type == "cpu"
-        and getattr(config, "_attn_implementation", None) == "sdpa"
-    )
+    return config is not None and getattr(config, "_attn_implementation", None) == "sdpa"
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    return next(model.parameters()).device.type
 
 
 def sampler_attention(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     """The attention the sampler decodes ``model`` with (registered with transformers),
-    None for the model's own: on a CPU with SDPA, :func:`grouped_attention` in bfloat16
-    and :func:`sdpa_over_buffers` in float32, both over in-place KV caches
-    (:func:`append_cache`)."""
-    if not _cpu_sdpa(model):
+    None for the model's own (a model that does not use SDPA). Both choices decode over
+    in-place KV caches (:func:`append_cache`): :func:`grouped_attention` on a CPU in
+    bfloat16, :func:`sdpa_over_buffers` otherwise (a CPU in float32, a GPU in any dtype).
+
+    On a GPU the in-place cache also keeps the attention's shapes still: its buffers grow
+    ``AppendCacheLayer.SPARE`` slots at a time, where a concatenated cache hands SDPA a new
+    key length every decode step, and a GPU pays one-time costs for every new shape (an
+    H200 ran the first batch at a shape 2-3x slower than the same batch again)."""
+    if not _sdpa(model):
         return None
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and _device_type(model) == "cpu":
         return register()
-    return register_cache_attention() if dtype == torch.float32 else None
+    return register_cache_attention()
 
 
 def use_cpu_bf16_attention(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -225,7 +231,7 @@ def append_cache(model: torch.nn.Module) -> Any | None:
 
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
-    if attention not in (CPU_BF16_ATTENTION, CPU_CACHE_ATTENTION):
+    if attention not in (CPU_BF16_ATTENTION, CACHE_ATTENTION):
         return None
     cache = DynamicCache(config=config)
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):

@@ -3,10 +3,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import DEVICES
 
 from agentenv.lm.attention import (
+    CACHE_ATTENTION,
     CPU_BF16_ATTENTION,
-    CPU_CACHE_ATTENTION,
     AppendCacheLayer,
     grouped_attention,
     sdpa_over_buffers,
@@ -98,13 +99,16 @@ def test_a_cpu_model_switches_only_for_a_bf16_compute_dtype(tokenizer, dtype, ex
     assert (logits.float() - sdpa.float()).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 1e-2), ("float32", 1e-5)])
 def test_append_cache_decodes_what_a_dynamic_cache_does(
-    tiny_model, tokenizer, monkeypatch, dtype, tolerance
+    tiny_model, tokenizer, monkeypatch, dtype, tolerance, device
 ):
     """Sampling with in-place KV appends (small spare room: several regrowths, rows
     dropped, a continued turn) gives the tokens and log-probs of transformers' cache:
-    grouped attention in bf16, SDPA over the buffers in float32."""
+    on a CPU grouped attention in bf16, SDPA over the buffers in float32; SDPA over the
+    buffers on a GPU."""
+    tiny_model = tiny_model.to(device)
     import agentenv.lm.attention as attention
     from agentenv.lm import sampler
     from agentenv.lm.engine import SamplingConfig
@@ -132,7 +136,7 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(
 
 @pytest.mark.parametrize(
     ("dtype", "expected"),
-    [(torch.bfloat16, CPU_BF16_ATTENTION), (torch.float32, CPU_CACHE_ATTENTION)],
+    [(torch.bfloat16, CPU_BF16_ATTENTION), (torch.float32, CACHE_ATTENTION)],
 )
 def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(tokenizer, dtype, expected):
     from agentenv.lm.attention import append_cache, sampler_attention
@@ -143,6 +147,14 @@ def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(tokenizer, 
     assert all(type(layer) is AppendCacheLayer for layer in append_cache(model).layers)
     model.config._attn_implementation = "eager"  # a model that asked for its own attention
     assert sampler_attention(model, dtype) is None and append_cache(model) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_off_the_cpu_the_sampler_decodes_sdpa_over_in_place_caches_in_every_dtype(tokenizer, dtype):
+    from agentenv.lm.attention import sampler_attention
+
+    model = tiny_model(tokenizer).to("meta")  # shapes only: stands in for a GPU's model
+    assert sampler_attention(model, dtype) == CACHE_ATTENTION
 
 
 def test_append_cache_layer_grows_in_place_and_reports_valid_slots():

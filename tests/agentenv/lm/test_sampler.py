@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from devices import DEVICES, on
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm import precision, weights
@@ -414,9 +415,10 @@ def sharp_model(tokenizer):
     return model
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_joining_and_leaving_a_running_batch_decode_as_they_would_alone(
-    sharp_model, tokenizer, dtype
+    sharp_model, tokenizer, dtype, device
 ):
     """Continuous batching: a row added while others decode, or left running after others
     ended, gets the tokens and log-probs of a fresh single-row generate with its seed."""
@@ -424,6 +426,7 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_they_would_alone(
     rows = prompts(tokenizer)
     seeds = [11, 22, 33]
     limits = [12, 5, 9]  # rows end at different steps
+    sharp_model = on(sharp_model, device)
     policy = TransformersPolicy(sharp_model, tokenizer, dtype=dtype)
     decoder = policy.decoder(sampling)
     decoder.add(0, rows[0], seed=seeds[0], max_new_tokens=limits[0])
@@ -454,10 +457,12 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_they_would_alone(
         )  # fmt: skip
 
 
-def test_a_continued_row_starts_from_its_saved_cache(sharp_model, tokenizer):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_continued_row_starts_from_its_saved_cache(sharp_model, tokenizer, device):
     """An episode's next turn, added while another row decodes, continues its saved KV
     cache: its tokens and log-probs equal a fresh prefill of the whole prompt (float32)."""
     sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, stop_strings=[])
+    sharp_model = on(sharp_model, device)
     first = prompts(tokenizer)[0]
     policy = TransformersPolicy(sharp_model, tokenizer, dtype="float32")
     decoder = policy.decoder(sampling)
