@@ -39,8 +39,22 @@ def default_accelerator(model: torch.nn.Module) -> Accelerator:
     would treat each as a lone process without a GPU, and would move a CPU model to a GPU
     if there is one. Mixed precision is not the accelerator's business here (see
     :mod:`agentenv.lm.precision`).
+
+    accelerate keeps one device per process: once a trainer has run on one device type, a
+    model on another is refused here (accelerate would raise for a CPU model after a GPU
+    one, and would silently move a GPU model to the CPU after a CPU one).
     """
+    from accelerate.state import AcceleratorState, is_initialized
+
     param = next(model.parameters(), None)
+    if param is not None and is_initialized():
+        running = AcceleratorState().device.type
+        if running != param.device.type:
+            raise InvalidOptionError(
+                f"the model is on {param.device.type!r}, but accelerate already runs this "
+                f"process on {running!r} (an earlier trainer); it keeps one device per "
+                f"process: move the model to {running!r}, or train it in a new process"
+            )
     return Accelerator(cpu=param is not None and param.device.type == "cpu")
 
 

@@ -12,6 +12,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each test starts with no accelerate state: accelerate keeps one device per process,
+    and where a GPU is visible tests train on both the CPU and the GPU."""
+    yield
+    import sys
+
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The real SmolLM2-135M-Instruct tokenizer (left padding, pad = ``<|im_end|>``)."""

@@ -641,6 +641,18 @@ def test_micro_batch_tokens_none_is_the_default_for_the_models_device(tokenizer)
     assert sft.micro_batch_tokens == 99  # a value given wins
 
 
+def test_a_model_on_another_device_than_the_process_accelerator_is_refused(tokenizer):
+    """accelerate keeps one device per process: after a CPU trainer, a model elsewhere (a
+    meta model stands in for a GPU one) is refused by name instead of being moved."""
+    from agentenv.lm.models import tiny_model as build
+    from algorithms.trainer import default_accelerator
+
+    GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)  # accelerate on the CPU
+    with pytest.raises(InvalidOptionError, match="model is on 'meta'.*runs this process on 'cpu'"):
+        default_accelerator(build(tokenizer).to("meta"))
+    assert default_accelerator(build(tokenizer)).device.type == "cpu"  # the same device: fine
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batching_gives_the_one_batch_update(tokenizer, loss_type):
     from agentenv.lm.models import tiny_model as build
