@@ -8,6 +8,8 @@ it after an optimizer step:
   small update rounds away (72% of an SFT adapter's update, by norm, on SmolLM2) and the
   sampler would draw from another policy than the one trained. Frozen weights already in
   the sampling dtype (a LoRA run's base) are shared with the trained model, not copied.
+  In float32 on a CPU the update is folded into the *packed* copy of the weights only
+  (below): float32 keeps it, and the decode step saves the low-rank matmuls.
 * **FSDP2-sharded parameters** (``fully_shard``, accelerate's ``fsdp_version: 2``) are
   gathered whole into the copy, so every process samples from the full policy; FSDP1 and
   DeepSpeed ZeRO-3 are refused (:func:`check_sharding`).
@@ -201,6 +203,7 @@ class _LoRALinear(torch.nn.Module):
         super().__init__()
         self.base_layer = base_layer
         self.names = [a for a in lora_layer.active_adapters if a in lora_layer.lora_A]
+        self.folded = False
         self.load(lora_layer)
 
     @torch.no_grad()
@@ -213,8 +216,20 @@ class _LoRALinear(torch.nn.Module):
         self.b = torch.cat([whole(lora_b.weight).float() * s for _, lora_b, s in pairs], dim=1)
         biases = [whole(b.bias).float() * s for _, b, s in pairs if b.bias is not None]
         self.bias = torch.stack(biases).sum(0) if biases else None
+        if self.folded:
+            self.fold()
+
+    def fold(self) -> None:
+        """Compute the update folded into the base layer's packed weights from now on (a
+        float32 :class:`_PackedLinear`: float32 keeps the update that bfloat16 would round
+        away); :meth:`load` folds each new update."""
+        self.folded = True
+        self.base_layer.update = (self.b, self.a, self.bias)
+        self.base_layer.pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.folded:
+            return self.base_layer(x)
         update = F.linear(F.linear(x.float(), self.a), self.b, self.bias)
         return self.base_layer(x).add_(update)
 
@@ -258,33 +273,47 @@ class _PackedLinear(torch.nn.Module):
     bit-identical to ``F.linear`` (the same kernel and accumulation order); in float32
     oneDNN replaces MKL's sgemm, equal to float rounding. ``weight`` and ``bias`` stay
     the layer's own parameters (shared, so syncs copy into them); the packed copy is
-    made again by :meth:`pack`.
+    made again by :meth:`pack`. ``update``, when set (a float32 LoRA layer folded by
+    :meth:`_LoRALinear.fold`), is ``(B, A, bias)``: the packed copy holds ``W + B A`` and
+    the bias ``b + bias``, while ``weight`` stays the shared frozen ``W``.
     """
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.update: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.pack()
 
     @torch.no_grad()
     def pack(self) -> None:
-        """Pack the current ``weight`` (after it changed)."""
+        """Pack the current ``weight`` (after it changed), plus ``update`` if set."""
+        weight, bias = self.weight.detach(), self.bias
+        if self.update is not None:
+            b, a, extra = self.update
+            weight = torch.addmm(weight, b, a)  # W + B A: (out, r) @ (r, in)
+            if extra is not None:
+                bias = extra if bias is None else bias.detach() + extra
         # oneDNN's batch-size hint: in bfloat16 (avx512_bf16) no hint from 1 to 128 rows
         # changed the speed, and 1 keeps the outputs bit-identical to F.linear's; in float32
         # on an AVX2 CPU, hint 1 picks a layout 1.5-2x slower than none for the MLP and
         # the LM head at 8 rows (the whole decode step: 60-70 -> 80-90 tok/s at 8 rows)
-        hint = 1 if self.weight.dtype == torch.bfloat16 else None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), hint)
+        hint = 1 if weight.dtype == torch.bfloat16 else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
+        self.packed_bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
 
 
 def _pack_linears(model: torch.nn.Module) -> None:
     """Replace every plain ``nn.Linear`` of ``model`` (the sampling copy) with a
-    :class:`_PackedLinear` of the same weights (a LoRA layer's base layer included)."""
+    :class:`_PackedLinear` of the same weights (a LoRA layer's base layer included), and
+    fold float32 LoRA updates into the packed weights (:meth:`_LoRALinear.fold`)."""
     for name, module in list(model.named_modules()):
         if type(module) is torch.nn.Linear:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, _PackedLinear(module))
+    for module in model.modules():
+        if isinstance(module, _LoRALinear) and module.base_layer.weight.dtype == torch.float32:
+            module.fold()

@@ -177,7 +177,7 @@ def test_stop_token_is_kept_and_ends_the_turn(tiny_model, tokenizer):
     assert gen.token_ids == first[0].token_ids[: len(gen.token_ids)]
 
 
-def test_lora_copy_is_unmerged_shares_the_base_and_resyncs_after_a_step(tiny_model, tokenizer):
+def test_lora_copy_shares_the_base_and_resyncs_after_a_step(tiny_model, tokenizer):
     from algorithms.lora import apply_lora
 
     peft_model = apply_lora(tiny_model, 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], seed=0)
@@ -185,6 +185,7 @@ def test_lora_copy_is_unmerged_shares_the_base_and_resyncs_after_a_step(tiny_mod
     layer = policy.model.model.layers[0].self_attn.q_proj
     trained = peft_model.get_base_model().model.layers[0].self_attn.q_proj
     assert isinstance(layer, weights._LoRALinear) and not hasattr(policy.model, "get_base_model")
+    assert layer.folded is weights.packs_linears("cpu", torch.float32)
     assert layer.base_layer.weight is trained.base_layer.weight  # frozen base: shared, no copy
     scaling = trained.scaling["default"]
     params = [p for p in peft_model.parameters() if p.requires_grad]
@@ -202,6 +203,35 @@ def test_lora_copy_is_unmerged_shares_the_base_and_resyncs_after_a_step(tiny_mod
             assert diff.mean() < 1e-3  # the issue's bound for float32
     assert torch.equal(layer.b, trained.lora_B["default"].weight * scaling)  # the synced update
     assert torch.equal(layer.a, trained.lora_A["default"].weight) and layer.b.abs().sum() > 0
+
+
+def test_a_float32_lora_update_is_folded_into_the_packed_weights_only(tiny_model, tokenizer):
+    """float32 on a CPU: the sampler's LoRA layer runs ``W + B A`` from its packed copy (no
+    low-rank matmuls per step); the shared base ``W`` never changes, a repack keeps the
+    update, and a sync folds the new one."""
+    from algorithms.lora import apply_lora
+
+    if not weights.packs_linears("cpu", torch.float32):
+        pytest.skip("this torch has no oneDNN packed linear layers")
+    peft_model = apply_lora(tiny_model, 4, 8, 0.0, ["q_proj"], seed=0)
+    trained = peft_model.get_base_model().model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        trained.lora_B["default"].weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    base = trained.base_layer.weight.clone()
+    policy = TransformersPolicy(peft_model, tokenizer, dtype="float32")
+    q = policy.model.model.layers[0].self_attn.q_proj
+    assert q.folded and q.base_layer.weight is trained.base_layer.weight
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        learned = trained(x)
+        assert (learned - trained.base_layer(x)).abs().max() > 1e-2  # the update matters
+        torch.testing.assert_close(q(x), learned, atol=1e-5, rtol=0)
+        assert torch.equal(trained.base_layer.weight, base)  # folded into the packed copy only
+        q.base_layer.pack()  # what a full fine-tuning sync does: the update stays folded
+        torch.testing.assert_close(q(x), learned, atol=1e-5, rtol=0)
+        trained.lora_B["default"].weight.mul_(-2)
+        policy.sync()
+        torch.testing.assert_close(q(x), trained(x), atol=1e-5, rtol=0)
 
 
 def _bf16_lora(tiny_model, b_scale):
