@@ -315,5 +315,10 @@ def _pack_linears(model: torch.nn.Module) -> None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, _PackedLinear(module))
     for module in model.modules():
-        if isinstance(module, _LoRALinear) and module.base_layer.weight.dtype == torch.float32:
+        base = getattr(module, "base_layer", None)
+        if (
+            isinstance(module, _LoRALinear)
+            and isinstance(base, _PackedLinear)  # not e.g. GPT-2's Conv1D
+            and base.weight.dtype == torch.float32
+        ):
             module.fold()

@@ -234,6 +234,29 @@ def test_a_float32_lora_update_is_folded_into_the_packed_weights_only(tiny_model
         torch.testing.assert_close(q(x), trained(x), atol=1e-5, rtol=0)
 
 
+def test_a_lora_layer_over_a_conv1d_stays_unmerged_in_float32(tokenizer):
+    """GPT-2's projections are ``Conv1D`` s, not linear layers: nothing packs them, so
+    their LoRA updates stay unmerged (and sample as the trained model computes)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from algorithms.lora import apply_lora
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)
+    peft_model = apply_lora(GPT2LMHeadModel(config).eval(), 4, 8, 0.0, ["c_attn"], seed=0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # an update that matters
+    policy = TransformersPolicy(peft_model, tokenizer, dtype="float32")
+    layer = policy.model.transformer.h[0].attn.c_attn
+    assert isinstance(layer, weights._LoRALinear) and not layer.folded
+    ps = prompts(tokenizer)[:1]
+    gen = policy.generate(ps, SamplingConfig(4, temperature=1.0, stop_strings=[]), seeds=[0])[0]
+    diff = (recompute(peft_model, ps[0], gen) - torch.tensor(gen.sampler_logprobs)).abs()
+    assert len(gen.token_ids) == 4 and diff.max() < 1e-3
+
+
 def _bf16_lora(tiny_model, b_scale):
     from algorithms.lora import apply_lora
 
