@@ -14,8 +14,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    """Each test starts with no accelerate state: accelerate keeps one device per process,
-    and where a GPU is visible tests train on both the CPU and the GPU."""
+    """Each test starts with no accelerate state: accelerate keeps one device (and TRL's
+    trainer one mixed precision) per process, and where a GPU is visible tests train on
+    both the CPU and the GPU."""
     yield
     import sys
 

@@ -204,7 +204,7 @@ def sampler_attention(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     On a GPU the in-place cache also keeps the attention's shapes still: its buffers grow
     ``AppendCacheLayer.SPARE`` slots at a time, where a concatenated cache hands SDPA a new
     key length every decode step, and a GPU pays one-time costs for every new shape (an
-    H200 ran the first batch at a shape 2-3x slower than the same batch again)."""
+    H200 ran the first batch at a shape 2.5-3.3x slower than the same batch again)."""
     if not _sdpa(model):
         return None
     if dtype == torch.bfloat16 and _device_type(model) == "cpu":

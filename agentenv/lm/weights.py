@@ -203,8 +203,12 @@ class _LoRALinear(torch.nn.Module):
         super().__init__()
         self.base_layer = base_layer
         self.names = [a for a in lora_layer.active_adapters if a in lora_layer.lora_A]
-        self.folded = False
         self.load(lora_layer)
+
+    @property
+    def folded(self) -> bool:
+        """Whether the update runs folded into the base layer's packed weights."""
+        return getattr(self.base_layer, "update", None) is not None
 
     @torch.no_grad()
     def load(self, lora_layer: torch.nn.Module) -> None:
@@ -223,7 +227,6 @@ class _LoRALinear(torch.nn.Module):
         """Compute the update folded into the base layer's packed weights from now on (a
         float32 :class:`_PackedLinear`: float32 keeps the update that bfloat16 would round
         away); :meth:`load` folds each new update."""
-        self.folded = True
         self.base_layer.update = (self.b, self.a, self.bias)
         self.base_layer.pack()
 
@@ -315,10 +318,7 @@ def _pack_linears(model: torch.nn.Module) -> None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, _PackedLinear(module))
     for module in model.modules():
-        base = getattr(module, "base_layer", None)
-        if (
-            isinstance(module, _LoRALinear)
-            and isinstance(base, _PackedLinear)  # not e.g. GPT-2's Conv1D
-            and base.weight.dtype == torch.float32
-        ):
-            module.fold()
+        # a packed base only (not e.g. GPT-2's Conv1D), in float32 only
+        if isinstance(module, _LoRALinear) and isinstance(module.base_layer, _PackedLinear):
+            if module.base_layer.weight.dtype == torch.float32:
+                module.fold()

@@ -2,21 +2,9 @@
 with a tiny model that learned one solution by heart (``memorized``), so TRL's own loop makes
 real tool calls into the env and the env scores a real answer."""
 
-import pytest
 from memorized import memorize
 
 from agentenv.integrations.trl import reward_func
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """TRL's trainer sets accelerate's process-wide state (mixed precision and all); later
-    tests in this process build their own Accelerator and must not inherit it. Autouse in
-    every test module that imports it."""
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def memorized_policy(tokenizer, factory, row, turns):

@@ -18,7 +18,6 @@ pytest.importorskip(
 
 import openenv_servers as servers  # noqa: E402 - also registers CoinCalculator-v0
 from openenv.core import GenericEnvClient  # noqa: E402
-from trl_steps import fresh_accelerate_state  # noqa: E402, F401 - an autouse fixture
 
 import agentenv  # noqa: E402
 from agentenv.errors import AgentEnvError, InvalidOptionError  # noqa: E402

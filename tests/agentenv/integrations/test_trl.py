@@ -15,11 +15,7 @@ import pytest
 pytest.importorskip("trl", reason="TRL is not installed: pip install 'agentenv[trl]'")
 
 from transformers.utils import get_json_schema  # noqa: E402
-from trl_steps import (  # noqa: E402
-    fresh_accelerate_state,  # noqa: F401 - an autouse fixture
-    memorized_policy,
-    train_one_step,
-)
+from trl_steps import memorized_policy, train_one_step  # noqa: E402
 
 from agentenv import make  # noqa: E402
 from agentenv.errors import InvalidOptionError  # noqa: E402

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from devices import DEVICES
+from devices import DEVICES, on
 
 from agentenv.lm.attention import (
     CACHE_ATTENTION,
@@ -108,7 +108,7 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(
     dropped, a continued turn) gives the tokens and log-probs of transformers' cache:
     on a CPU grouped attention in bf16, SDPA over the buffers in float32; SDPA over the
     buffers on a GPU."""
-    tiny_model = tiny_model.to(device)
+    tiny_model = on(tiny_model, device)
     import agentenv.lm.attention as attention
     from agentenv.lm import sampler
     from agentenv.lm.engine import SamplingConfig
