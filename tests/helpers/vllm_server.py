@@ -61,6 +61,12 @@ class VLLMServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self, timeout_s: float = 600) -> VLLMServer:
+        """Launch the server and wait until it answers."""
+        return self.launch().wait(timeout_s)
+
+    def launch(self) -> VLLMServer:
+        """Start the server's process without waiting for it (:meth:`wait` does): two
+        servers launched together start in about the time of one."""
         env = {
             **os.environ,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
@@ -81,6 +87,12 @@ class VLLMServer:
             self.process = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        return self
+
+    def wait(self, timeout_s: float = 600) -> VLLMServer:
+        """Wait until the launched server answers; stop it and raise with its log's tail if
+        it exits or does not answer within ``timeout_s``."""
+        assert self.process is not None, "launch() first"
         deadline = time.time() + timeout_s
         while True:
             try:

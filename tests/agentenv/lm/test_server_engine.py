@@ -44,12 +44,23 @@ KEY_ENV = "AGENTENV_TEST_SERVER_KEY"  # the variable a run's server_api_key_env 
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def servers(model_dir, tmp_path_factory):
+    """The module's server (asking for an API key) and a spare one without a key for the
+    test that kills a server, launched together: a start takes tens of seconds."""
     assert PYTHON is not None
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    served = VLLMServer(PYTHON, model_dir, log, api_key=KEY)
-    yield served.start()
-    served.stop()
+    log = tmp_path_factory.mktemp("log")
+    keyed = VLLMServer(PYTHON, model_dir, log / "server.log", api_key=KEY).launch()
+    spare = VLLMServer(PYTHON, model_dir, log / "spare.log").launch()
+    try:
+        yield keyed.wait(), spare.wait()
+    finally:
+        keyed.stop()
+        spare.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def policy_for(model, tokenizer, server, **kwargs):
@@ -196,13 +207,13 @@ agentenv.register("KillsServer-v0", entry_point=KillsServer, override=True)
 
 @needs_server
 def test_a_server_dying_mid_rollout_stops_the_run_clearly_and_it_resumes(
-    tokenizer, model_dir, server, tmp_path, monkeypatch
+    tokenizer, model_dir, servers, tmp_path, monkeypatch
 ):
     from agentenv.run.config import TrainConfig
     from agentenv.run.tracking import read_metrics
     from agentenv.run.train import train
 
-    first = VLLMServer(PYTHON, model_dir, tmp_path / "first.log").start()
+    server, first = servers  # first: the one this test kills
     config = TrainConfig(
         env_id="KillsServer-v0",
         model=model_dir,

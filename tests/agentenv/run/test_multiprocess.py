@@ -38,22 +38,7 @@ def launch(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-def test_two_processes_split_the_tasks_and_only_the_main_one_writes(tiny_model_dir, tmp_path):
-    two = tmp_path / "two"  # (the next test runs the same steps in one process)
-    proc = launch(2, two, tiny_model_dir, "--steps", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (two / "metrics.jsonl").open()]
-    assert [r["step"] for r in rows] == [1, 2]  # one row per step, not one per process
-    for step in (1, 2):  # the main process logs its share: 1 task x G=2 of the 2 tasks
-        name = f"episodes/step_{step:06d}.jsonl"
-        assert len((two / name).read_text().splitlines()) == 2
-    assert json.loads((two / "config.json").read_text())["batch_size"] == 2
-
-    proc = launch(2, two, tiny_model_dir, "--steps", "3", "--resume")  # resume, 2 processes
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").open()] == [1, 2, 3]
-    assert latest_checkpoint(two / "checkpoints").name == "step_000003"
-
+def test_a_batch_that_two_processes_cannot_split_evenly_is_refused(tiny_model_dir, tmp_path):
     proc = launch(2, tmp_path / "odd", tiny_model_dir, "--steps", "1", "--batch-size", "3")
     assert proc.returncode != 0 and "multiple of the 2 processes" in proc.stderr
 
@@ -61,13 +46,15 @@ def test_two_processes_split_the_tasks_and_only_the_main_one_writes(tiny_model_d
 def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_dir, tmp_path):
     """The same 2 steps x 4 tasks, collected by 1 process or split over 2: the same
     episodes (each turn samples from its own seed) and the same final adapter, up to the
-    float rounding of batched kernels and gloo's all-reduce."""
+    float rounding of batched kernels and gloo's all-reduce. Only the main process writes
+    (one metrics row per step, its own share of the episodes), and the 2-process run
+    resumes on 2 processes."""
     from safetensors.torch import load_file
 
     one, two = tmp_path / "one", tmp_path / "two"
+    args = ("coin_env:CoinCalculator-v0", "--batch-size", "4", "--learning-rate", "1e-2")
     for processes, out in ((1, one), (2, two)):
-        args = ("coin_env:CoinCalculator-v0", "--steps", "2", "--batch-size", "4")
-        proc = launch(processes, out, tiny_model_dir, *args, "--learning-rate", "1e-2")
+        proc = launch(processes, out, tiny_model_dir, *args, "--steps", "2")
         assert proc.returncode == 0, proc.stderr[-3000:]
     for step in (1, 2):  # rank 0 logs its share, tasks 0 and 2 of the step's 4
         name = f"episodes/step_{step:06d}.jsonl"
@@ -85,6 +72,13 @@ def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_
     assert moved  # it learned: B starts at zero
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-4)
+    assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").open()] == [1, 2]
+    assert json.loads((two / "config.json").read_text())["batch_size"] == 4
+
+    proc = launch(2, two, tiny_model_dir, *args, "--steps", "3", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").open()] == [1, 2, 3]
+    assert latest_checkpoint(two / "checkpoints").name == "step_000003"
 
 
 def test_a_run_that_loses_a_rank_exits_promptly_and_resume_equals_an_uninterrupted_run(
