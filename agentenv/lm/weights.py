@@ -318,7 +318,7 @@ def _pack_linears(model: torch.nn.Module) -> None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, _PackedLinear(module))
     for module in model.modules():
-        # a packed base only (not e.g. GPT-2's Conv1D), in float32 only
-        if isinstance(module, _LoRALinear) and isinstance(module.base_layer, _PackedLinear):
-            if module.base_layer.weight.dtype == torch.float32:
-                module.fold()
+        base = getattr(module, "base_layer", None)  # packed (not GPT-2's Conv1D), float32
+        packed32 = isinstance(base, _PackedLinear) and base.weight.dtype == torch.float32
+        if isinstance(module, _LoRALinear) and packed32:
+            module.fold()

@@ -60,10 +60,6 @@ class VLLMServer:
         """What a request to the server carries: its API key as a bearer token, if any."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def start(self, timeout_s: float = 600) -> VLLMServer:
-        """Launch the server and wait until it answers."""
-        return self.launch().wait(timeout_s)
-
     def launch(self) -> VLLMServer:
         """Start the server's process without waiting for it (:meth:`wait` does): two
         servers launched together start in about the time of one."""
