@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from devices import CPU_ONLY
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +21,7 @@ FSDP2_TRAINER = ROOT / "tests" / "helpers" / "fsdp2_trainer.py"
 def run(out: Path, args: str, processes: int, worker: Path = WORKER) -> dict:
     """Run ``worker OUT *args`` in ``processes`` processes; return what it saved to OUT."""
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])  # toy_episodes
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **CPU_ONLY}
     if processes == 1:
         cmd = [sys.executable, str(worker), str(out), *args.split()]
     else:

@@ -61,6 +61,17 @@ def snapshot(module: torch.nn.Module, trainable: bool | None = None) -> dict[str
 # ---------------------------------------------------------------- advantages
 
 
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """Bitwise equal on a CPU. On a GPU up to float rounding: GPU kernels are not bitwise
+    reproducible run to run (backward passes accumulate with atomics); on an H200 the two
+    updates of a test below differed in the last bits."""
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        if pa.device.type == "cpu":
+            assert torch.equal(pa, pb), name
+        else:
+            torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_advantages_by_hand_for_both_norms():
     rewards = torch.tensor([[0.0, 1.0, 2.0, 3.0], [1.0, 0.0, 0.0, 1.0]])
     # group 0: mean 1.5, population std sqrt((2.25 + 0.25 + 0.25 + 2.25) / 4) = sqrt(1.25)
@@ -596,8 +607,7 @@ def test_zero_variance_group_is_skipped_exactly(tokenizer):
     b = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
     a.learn(groups)
     b.learn(groups[:1])
-    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
-        assert torch.equal(pa, pb), name
+    assert_same_weights(a.model, b.model)
 
 
 def test_a_failed_episode_is_left_out_exactly(tokenizer):
@@ -612,8 +622,7 @@ def test_a_failed_episode_is_left_out_exactly(tokenizer):
     metrics = a.learn([group])
     b.learn([[group[0], group[1], group[3]]])
     assert metrics["frac_failed"] == 0.25
-    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
-        assert torch.equal(pa, pb), name
+    assert_same_weights(a.model, b.model)
     trainer = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
     advantages = trained_advantages(trainer, [group])
     assert advantages[2] is None  # in no micro-batch

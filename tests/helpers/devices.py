@@ -19,3 +19,9 @@ def on(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """``model`` itself on the CPU; a copy of it on another device (a shared fixture stays
     where it was)."""
     return model if device == "cpu" else copy.deepcopy(model).to(device)
+
+
+# The environment of a test's subprocesses that run on CPU processes (gloo) by design: where
+# a GPU is visible, accelerate and torch would otherwise put every rank on it (one GPU cannot
+# hold two ranks).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}

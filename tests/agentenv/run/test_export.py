@@ -25,7 +25,7 @@ def checkpoint(tiny_model_dir, tmp_path_factory):
     with torch.no_grad():
         for name, p in trainer.unwrapped_model.named_parameters():
             if "lora_B" in name:  # B starts at 0: give the adapter an effect
-                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+                p.normal_(0, 0.5, generator=torch.Generator(p.device).manual_seed(0))
     return trainer.save(tmp_path_factory.mktemp("ckpt") / "checkpoint")
 
 

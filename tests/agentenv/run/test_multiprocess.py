@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from devices import CPU_ONLY
 
 from agentenv.run.train import task_seeds, task_share
 from algorithms.checkpoint import latest_checkpoint
@@ -27,7 +28,7 @@ def launch(
     processes: int, out: Path, model: str, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])  # coin_env
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **CPU_ONLY, **(env or {})}
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if processes > 1:
         cmd += ["--multi_gpu", "--num_processes", str(processes)]
@@ -128,7 +129,7 @@ def test_a_run_that_loses_a_rank_exits_promptly_and_resume_equals_an_uninterrupt
 def test_the_sampler_gathers_fsdp2_sharded_lora_weights():
     """tests/helpers/fsdp2_sampler.py under torchrun: 2 CPU processes shard a tiny LoRA
     model with torch's fully_shard; each sampler copy must hold the whole policy."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **CPU_ONLY}
     script = ROOT / "tests" / "helpers" / "fsdp2_sampler.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
