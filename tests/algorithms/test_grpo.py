@@ -58,9 +58,6 @@ def snapshot(module: torch.nn.Module, trainable: bool | None = None) -> dict[str
     }
 
 
-# ---------------------------------------------------------------- advantages
-
-
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     """Bitwise equal on a CPU. On a GPU up to float rounding: GPU kernels are not bitwise
     reproducible run to run (backward passes accumulate with atomics); on an H200 the two
@@ -70,6 +67,9 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
             assert torch.equal(pa, pb), name
         else:
             torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- advantages
 
 
 def test_advantages_by_hand_for_both_norms():
