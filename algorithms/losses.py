@@ -73,18 +73,17 @@ def compute_advantages(
             advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
         zero_std = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # (B, 1)
         return advantages.masked_fill(zero_std, 0.0)
-    count = valid.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1) valid members
-    mean = (rewards * valid).sum(dim=1, keepdim=True) / count  # (B, 1)
-    if baseline == "group_median":  # interpolated, over the valid members
-        base = rewards.masked_fill(~valid, float("nan")).nanquantile(0.5, dim=1, keepdim=True)
-    else:
-        base = mean
-    advantages = rewards - base  # (B, G)
-    if norm == "mean_std":
-        var = ((rewards - mean).square() * valid).sum(dim=1, keepdim=True) / count  # (B, 1)
-        advantages = advantages / (var.sqrt() + eps)
-    zero_std = without_signal(rewards, valid)[:, None]  # (B, 1)
-    return advantages.masked_fill(zero_std | ~valid, 0.0)
+    # Some members do not count: each such group's valid members by themselves, through the
+    # same kernels as a group of that size. Masked sums would be the same statistics in exact
+    # arithmetic but not bitwise: the kernels may sum 4 values with a zero in another order
+    # than the 3 values (an MKL build of torch gave a different last bit).
+    advantages = torch.zeros_like(rewards)  # (B, G)
+    for row in range(rewards.shape[0]):
+        members = valid[row].nonzero().squeeze(1)  # (n,) indices of the valid members
+        if members.numel() >= 2:  # fewer: no group to be relative to, 0 throughout
+            alone = rewards[row, members].unsqueeze(0)  # (1, n)
+            advantages[row, members] = compute_advantages(alone, norm, eps, baseline=baseline)[0]
+    return advantages
 
 
 def without_signal(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,27 @@ def test_failed_members_get_zero_and_leave_the_group_statistics_by_hand():
         compute_advantages(rewards, valid=valid[:2])
 
 
+@pytest.mark.parametrize("norm", ["mean_std", "mean_only"])
+@pytest.mark.parametrize("baseline", ["group_mean", "group_median"])
+def test_a_group_with_failed_members_gets_the_bits_of_the_group_without_them(norm, baseline):
+    """Bitwise, not up to rounding: summing a group's rewards with its failed members as
+    zeros is the same sum in exact arithmetic, but kernels add in another order (masked sums
+    differed from the smaller group in the last bit for most random groups)."""
+    g = torch.Generator().manual_seed(0)
+    for size in range(3, 17):
+        for _ in range(5):
+            rewards = torch.randn(2, size, generator=g) * 10.0 ** torch.randint(-3, 3, (2, 1))
+            valid = torch.rand(2, size, generator=g) > 0.3
+            valid[:, :2] = True  # at least 2 valid members per group
+            valid[1, -1] = False  # at least one failed
+            got = compute_advantages(rewards, norm, baseline=baseline, valid=valid)
+            for row in range(2):
+                alone = rewards[row, valid[row]].unsqueeze(0)  # (1, n)
+                want = compute_advantages(alone, norm, baseline=baseline)[0]
+                assert torch.equal(got[row, valid[row]], want), (size, rewards[row], valid[row])
+                assert (got[row, ~valid[row]] == 0).all()
+
+
 def trained_advantages(trainer: GRPO, groups: list[list[Ep]]) -> list[float | None]:
     """One ``learn`` step; each episode's advantage as its micro-batch carried it into the
     loss (``None``: the episode was in no micro-batch, i.e. dropped)."""

@@ -78,9 +78,12 @@ def test_a_small_local_model_judges_through_the_generation_path(tokenizer):
     fmt = ChatFormat(tokenizer)
     prompt = fmt.render(judge_chat, add_generation_prompt=True)
     model = memorize(tokenizer, prompt + "<score>8</score><|im_end|>\n", prompt)
-    judge = LLMJudge(TransformersJudge(model, tokenizer))
+    # A generous limit: this test is about the path, not the timeout (under 14 test workers
+    # on a 16-core GPU machine it failed once and passed alone; the 60 s default is the
+    # likeliest cause). A failure prints the verdict, its error included.
+    judge = LLMJudge(TransformersJudge(model, tokenizer), timeout_s=600)
     (verdict,) = judge.score_batch([("Capital of France?", "Paris", "Paris")])
-    assert verdict.reply == "<score>8</score>" and verdict.reward == 0.8
+    assert verdict.reply == "<score>8</score>" and verdict.reward == 0.8, verdict
 
 
 @pytest.mark.slow
