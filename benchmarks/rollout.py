@@ -15,6 +15,11 @@ seeds, the default SmolLM2-135M-Instruct in the compute dtype ``auto`` resolves 
 * **fixed work**: the sampler alone, the same number of rows of one prompt, 128 new
   tokens each, no stop: the tok/s a batch of that many rows reaches when no row ends early.
 
+Generation in the loop also reads what fixed work never does: each episode's prompt and
+its env's replies (prefill). The bundled sampler counts that part (``prefill s``, ``read``
+tokens); ``decode tok/s`` is the policy tokens over the rest of generation, the part
+fixed work measures.
+
 ``--engines`` picks the generation engines measured one after the other in the same run:
 ``agentenv`` (the bundled sampler) and ``vllm`` (vLLM in this process, ``--engine vllm``:
 run the script with a Python that has vLLM, e.g. ``.venv-vllm/`` from ``install.sh
@@ -146,6 +151,19 @@ def fixed_work(policy: Any, rows: int) -> float:
     return sum(len(g.token_ids) for g in gens) / seconds
 
 
+def decode_columns(m: dict, fixed: float) -> str:
+    """Prefill seconds and tokens read, and the tok/s of the rest of generation (decoding:
+    what fixed work measures) and its share of fixed work; dashes for an engine that does
+    not count its prefills (vLLM)."""
+    if "rollout/prefill_s" not in m:
+        return f"{'-':>9} {'-':>6} {'-':>12} {'-':>8}"
+    decode = m["rollout/tokens"] / (m["rollout/generate_s"] - m["rollout/prefill_s"])
+    return (
+        f"{m['rollout/prefill_s']:>9.1f} {m['rollout/prefill_tokens']:>6.0f} "
+        f"{decode:>12.1f} {decode / fixed:>8.0%}"
+    )
+
+
 def make_policy(engine: str, model: Any, tokenizer: Any, name: str, dtype: Any) -> Any:
     from agentenv.lm.engine import EngineConfig
     from agentenv.lm.engines import check_engine, make_policy
@@ -199,7 +217,8 @@ def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
         print(f"fixed work, {n} rows x 128 tokens: {tps:.1f} tok/s")
     header = (
         f"{'scenario':<8} {'episodes':>8} {'system':<10} {'wall s':>7} {'gen s':>6} "
-        f"{'tokens':>6} {'tok/s':>6} {'vs fixed':>8} {'rows':>5} {'env s':>6} {'env wait s':>10}"
+        f"{'tokens':>6} {'tok/s':>6} {'vs fixed':>8} {'prefill s':>9} {'read':>6} "
+        f"{'decode tok/s':>12} {'vs fixed':>8} {'rows':>5} {'env s':>6} {'env wait s':>10}"
     )
     print(header)
     for name in args.scenarios:
@@ -213,7 +232,7 @@ def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
                     f"{name:<8} {n:>8} {system:<10} {m['wall_s']:>7.1f} "
                     f"{m['rollout/generate_s']:>6.1f} {m['rollout/tokens']:>6.0f} "
                     f"{m['rollout/tokens_per_s']:>6.1f} "
-                    f"{m['rollout/tokens_per_s'] / fixed[n]:>8.0%} "
+                    f"{m['rollout/tokens_per_s'] / fixed[n]:>8.0%} {decode_columns(m, fixed[n])} "
                     f"{m['rollout/rows_mean']:>5.1f} {m['rollout/env_s']:>6.1f} "
                     f"{m['rollout/env_wait_s']:>10.1f}",
                     flush=True,

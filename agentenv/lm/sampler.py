@@ -35,6 +35,7 @@ static cache (``python benchmarks/generation.py``).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,6 +63,13 @@ class TransformersPolicy:
         reuse_cache: Keep each returned sequence's KV cache until the next call, and
             continue from it when a prompt extends it (the same episode's next turn):
             only the environment's new tokens are prefilled.
+
+    Attributes:
+        prefill_s: Seconds spent prefilling since construction (prompts, and the
+            environment's replies of continued episodes, run through the model).
+        prefill_tokens: Tokens those prefills computed (a shared prefix counts once,
+            a continued episode's cached tokens not again). ``collect`` reports both for
+            its batch: what generation spent on reading rather than on sampling.
     """
 
     def __init__(
@@ -91,6 +99,7 @@ class TransformersPolicy:
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self.model = sampling_copy(model, self.dtype, self.device)  # what we sample from
         self._version = trainable_version(self._trainable)
+        self.prefill_s, self.prefill_tokens = 0.0, 0
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -192,7 +201,7 @@ class TransformersPolicy:
         gap, with positions counted by the mask, so every row sees exactly its own prompt.
         Saved caches this call does not continue are dropped unless ``keep_saved``.
         """
-        model, dev = self.model, self.device
+        start, model, dev = time.perf_counter(), self.model, self.device
         unique: dict[tuple[int, ...], int] = {}
         index = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
         firsts = list(unique)
@@ -205,6 +214,7 @@ class TransformersPolicy:
         else:
             self._saved = {}
         cache, done = None, [0] * u  # done[i]: tokens of prompt i already in the cache
+        shared = 0  # tokens of a common prefix computed once
         mask = torch.ones((u, 0), dtype=torch.long)
         if any(r is not None for r in reused):
             cache, mask = _cache_from(reused, append_cache(model))
@@ -218,7 +228,7 @@ class TransformersPolicy:
                 )
                 cache.batch_repeat_interleave(u)
                 mask = torch.ones((u, prefix), dtype=torch.long)
-                done = [prefix] * u
+                done, shared = [prefix] * u, prefix
         rest = [list(p[k:]) for p, k in zip(firsts, done, strict=True)]
         width = max(len(r) for r in rest)
         ids = torch.full((u, width), self.pad_token_id, dtype=torch.long)
@@ -241,6 +251,10 @@ class TransformersPolicy:
             rows = torch.tensor(index)
             cache.batch_select_indices(rows.to(dev))
             logits, mask, next_pos = logits[rows.to(logits.device)], mask[rows], next_pos[rows]
+        if dev.type == "cuda":  # the kernels finished, so the time is theirs
+            torch.cuda.synchronize(dev)
+        self.prefill_s += time.perf_counter() - start
+        self.prefill_tokens += shared + sum(len(r) for r in rest)
         return cache, mask, logits, next_pos
 
     def _lookup(self, prompt: tuple[int, ...]) -> tuple[tuple[int, ...], list[Any]] | None:

@@ -103,9 +103,12 @@ def collect(
         overlap decoding), ``rollout/env_wait_s`` (the env time not hidden: nothing was
         left to decode), ``rollout/total_s``, ``rollout/tokens`` (policy tokens),
         ``rollout/tokens_per_s`` (in the loop), ``rollout/rows_mean`` (rows per decode
-        step) and ``rollout/env_errors``.
+        step) and ``rollout/env_errors``; with a policy that counts its prefills (the
+        bundled sampler), ``rollout/prefill_s`` (the part of ``generate_s`` spent reading
+        prompts and env replies) and ``rollout/prefill_tokens`` (the tokens read).
     """
     start = time.perf_counter()
+    prefilled = _prefill_totals(policy)
     options = list(options) if options is not None else [None] * len(seeds)
     trajs: list[_Trajectory] = []
     for b, seed in enumerate(seeds):
@@ -258,7 +261,17 @@ def collect(
         "rollout/rows_mean": clock.rows / clock.steps if clock.steps else 0.0,
         "rollout/env_errors": float(clock.env_errors),
     }
+    if prefilled is not None:
+        seconds, read = _prefill_totals(policy)
+        metrics["rollout/prefill_s"] = seconds - prefilled[0]
+        metrics["rollout/prefill_tokens"] = float(read - prefilled[1])
     return groups, metrics
+
+
+def _prefill_totals(policy: PolicyBackend) -> tuple[float, int] | None:
+    """The policy's prefill seconds and tokens so far (None: it does not count them)."""
+    seconds, read = getattr(policy, "prefill_s", None), getattr(policy, "prefill_tokens", None)
+    return None if seconds is None or read is None else (seconds, read)
 
 
 @dataclass

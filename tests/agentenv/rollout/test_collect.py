@@ -83,10 +83,23 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, batchi
         "rollout/env_wait_s",
         "rollout/tokens_per_s",
         "rollout/rows_mean",
+        "rollout/prefill_s",
+        "rollout/prefill_tokens",
     }
     assert metrics["rollout/env_errors"] == 0
     assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes)
     assert all(e.stop_reason == "max_turns" and e.num_turns == 2 for e in episodes)
+    # Prefill by hand. Turn 1: the two groups' prompts, their common prefix once. Turn 2:
+    # each episode continues its saved cache (its prompt and turn 1 but the last sampled
+    # token, which was never fed back), so it reads that token and the env's reply.
+    first = [group[0].input_ids[: group[0].policy_spans()[0][0]] for group in groups]
+    common = next(i for i, (a, b) in enumerate(zip(*first, strict=False)) if a != b)
+    prefix = min(common, *(len(p) - 1 for p in first))
+    turn1 = prefix + sum(len(p) - prefix for p in first)
+    spans = [e.policy_spans() for e in episodes]
+    turn2 = sum(second[0] - (first_turn[1] - 1) for first_turn, second in spans)
+    assert metrics["rollout/prefill_tokens"] == turn1 + turn2
+    assert 0 < metrics["rollout/prefill_s"] < metrics["rollout/generate_s"]
 
 
 class FlakyEnv(gym.Wrapper):

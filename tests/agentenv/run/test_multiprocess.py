@@ -118,7 +118,7 @@ def test_a_run_that_loses_a_rank_exits_promptly_and_resume_equals_an_uninterrupt
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # it learned something
     timings = ("time/", "rollout/generate_s", "rollout/env_", "rollout/total_s")
-    timings += ("rollout/tokens_per", "tokens_per")
+    timings += ("rollout/prefill_s", "rollout/tokens_per", "tokens_per")
     rows = [
         [{k: v for k, v in r.items() if not k.startswith(timings)} for r in read_metrics(run)]
         for run in (whole, split)
