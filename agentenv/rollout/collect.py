@@ -9,10 +9,10 @@ Two ways to batch (``RolloutConfig.batching``):
   batch (:meth:`~agentenv.lm.sampler.TransformersPolicy.decoder`), its env steps in the
   pool while other episodes keep decoding, and its next turn joins the running batch
   as soon as the env has answered, KV cache continued, up to ``max_concurrency`` rows.
-  No turn waits for the slowest row or env step of the batch; on a 2-core CPU both
-  engines collect at the same speed (``benchmarks/rollout.py``). Which rows share a
-  decode step depends on when env steps finish. A policy without ``decoder`` runs
-  lockstep.
+  No turn waits for the slowest row or env step of the batch; on a 2-core CPU it is as
+  fast as lockstep for short contexts and slower for RAG's (``benchmarks/rollout.py``,
+  docs/benchmarks.md). Which rows share a decode step depends on when env steps
+  finish. A policy without ``decoder`` runs lockstep.
 
 Either way a policy turn draws from the seed of (``sample_seed``, task seed, member,
 turn), so an episode's tokens do not depend on which other episodes share its batch or on
