@@ -182,6 +182,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model trains: cpu, cuda")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    for name, value, least in [
+        ("--groups", args.groups, 1),
+        ("--group-size", args.group_size, 2),  # GRPO compares episodes within a group
+        ("--prompt", args.prompt, 1),
+        ("--repeats", args.repeats, 1),
+        *[("--micro-batch-tokens", b, 1) for b in args.micro_batch_tokens if b is not None],
+    ]:
+        if value < least:
+            parser.error(f"{name} must be >= {least}, got {value}")
 
     import torch
 
@@ -233,10 +242,8 @@ def main() -> None:
             algo.micro_batch_tokens,
             [(i // args.group_size, args.prompt) for i in range(args.groups * args.group_size)],
         )
-        rows = len(packs[0]) * (episode - args.prompt)  # a micro-batch's rows after the prompt
-        plain = plain_matmul_gflops(
-            min(rows, 4096), c.hidden_size, c.intermediate_size, compute, args.device
-        )
+        rows = min(len(packs[0]) * (episode - args.prompt), 4096)  # after the shared prompt
+        plain = plain_matmul_gflops(rows, c.hidden_size, c.intermediate_size, compute, args.device)
         print(
             f"\n## micro_batch_tokens {algo.micro_batch_tokens} ({len(packs)} micro-batches of "
             f"up to {len(packs[0])} episodes): learn "
