@@ -8,10 +8,10 @@ The batch has a real run's shapes and synthetic contents: ``--groups`` groups of
 ``--group-size`` episodes, each group sharing a ``--prompt``-token prompt, each episode
 the ``--turns`` ``POLICY:ENV`` pairs (policy tokens, then the environment's reply). The
 defaults are examples/rag_grpo.yaml's mean episode (docs/reproduce.md#rag-v0: 106 prompt
-tokens, a search, 277 tokens of passages, an answer; 53 policy tokens in all, split
-20 + 33 here). Random
-token ids and rewards (no group has equal rewards, so none is dropped), the default
-SmolLM2-135M-Instruct with GRPO's default LoRA, in the compute dtype ``--dtype`` gives.
+tokens, a search, 277 tokens of passages, an answer; 53 policy tokens in all, split 20 +
+33 here). Random token ids and rewards (no group has equal rewards, so none is dropped),
+the default SmolLM2-135M-Instruct with GRPO's default LoRA, in the compute dtype
+``--dtype`` gives.
 
 For each micro-batch budget: the learn phase's time (median of ``--repeats`` after a
 warm-up) and peak RSS, then one learn under torch's profiler (CPU only), its operators'
