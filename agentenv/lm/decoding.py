@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.attention import AppendCacheLayer, append_cache, cached_forward
+from agentenv.lm.attention import AppendCacheLayer, append_cache
+from agentenv.lm.decode_step import decode_logits
 from agentenv.lm.engine import Generation, SamplingConfig
 
 
@@ -208,14 +209,14 @@ class Decoder:
                 token, alive = token[index], alive[index]
                 self.rows = [r for r in slots if r is not None]
         self._mask = torch.cat([self._mask, alive.long()[:, None]], dim=1)
-        logits, self._cache = cached_forward(
+        self._logits, self._cache = decode_logits(
             policy.model,
             self._cache,
-            input_ids=token[:, None].to(policy.device),
-            attention_mask=self._mask.to(policy.device),
-            position_ids=self._next_pos[:, None].to(policy.device),
+            token[:, None].to(policy.device),
+            self._mask.to(policy.device),
+            self._next_pos[:, None].to(policy.device),
         )
-        self._logits, self._next_pos = logits[:, -1], self._next_pos + 1
+        self._next_pos = self._next_pos + 1
         return out
 
 
