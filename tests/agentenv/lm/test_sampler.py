@@ -421,6 +421,36 @@ def test_sampler_draws_from_the_warped_distribution():
     assert greedy.tolist() == [4, 4]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sampling_draws_what_the_plain_inverse_cdf_formula_draws(temperature, dtype):
+    """``_sample``'s in-place float64 CDF and skipped division by 1 change nothing: the
+    same tokens and log-probs, bit for bit, as the formula written out, per-row seeds; the
+    logits it is given are left as they were."""
+    from agentenv.lm.decoding import _sample
+
+    logits = (torch.randn(16, 4096, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    before = logits.clone()
+    token, logp = _sample(
+        logits, temperature, [], [torch.Generator().manual_seed(i) for i in range(16)]
+    )
+    logp_ref = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    if temperature:
+        cdf = logp_ref.double().exp().cumsum(dim=-1)
+        u = torch.cat(
+            [
+                torch.rand(1, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                for i in range(16)
+            ]
+        )
+        ref = torch.searchsorted(cdf, (1 - u) * cdf[:, -1:]).squeeze(1)
+    else:
+        ref = logp_ref.argmax(dim=-1)
+    assert torch.equal(token, ref) and len(set(token.tolist())) > 8  # rows drew apart
+    assert torch.equal(logp, logp_ref.gather(1, ref[:, None]).squeeze(1))
+    assert torch.equal(logits, before)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_next_turn_continues_from_the_saved_cache(tiny_model, tokenizer, dtype):
     """A prompt extending the previous call's output reuses its KV cache: same result."""
