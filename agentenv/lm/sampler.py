@@ -31,7 +31,7 @@ model's forward pass instead of ``model.generate``, because that lets it:
   inference mode.
 
 On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at 2.0-2.7x the tok/s of plain
-``generate`` in float32 (runs vary), and 1.5-1.8x that of ``generate`` in bfloat16 with a
+``generate`` in float32 (runs vary), and 1.5-1.9x that of ``generate`` in bfloat16 with a
 static cache (``python benchmarks/generation.py``).
 """
 
