@@ -1,9 +1,9 @@
 """One decode step of the sampler: a new token per row through the model, without
 transformers' per-call machinery where the model's architecture is known.
 
-A decode step of a small model is mostly overhead: SmolLM2-135M at 8 rows on a 2-core
-CPU spends about a sixth of its ~40 ms in transformers' forward itself (argument and
-output handling, a causal mask built per step, the attention function looked up per
+A decode step of a small model carries much overhead: SmolLM2-135M at 8 rows on a
+2-core CPU spends about a tenth of its ~40 ms in transformers' forward itself (argument
+and output handling, a causal mask built per step, the attention function looked up per
 layer) rather than in tensor operations. For a Llama-architecture model,
 :func:`decode_logits` runs the decoder layers itself: the same tensor operations in the
 same order and dtypes, calling the model's own embedding, rotary, norm, linear and MLP

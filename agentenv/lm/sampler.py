@@ -174,7 +174,7 @@ class TransformersPolicy:
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
         """While decoding: inference mode (no autograd, and no version counters or views
-        tracked for it: 6-7% of a decode step of 8 rows on a CPU), the CPU attention over
+        tracked for it: 5-7% of a decode step of 8 rows on a CPU), the CPU attention over
         in-place KV caches where it pays (:func:`~agentenv.lm.attention.sampler_attention`)
         and a contiguous LM-head input. The KV caches made here are inference tensors: only
         code inside this context may use them."""
