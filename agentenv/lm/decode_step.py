@@ -18,6 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama import modeling_llama as llama
 
 from agentenv.lm.attention import (
     CACHE_ATTENTION,
@@ -55,8 +58,6 @@ def _direct(
     model: torch.nn.Module, cache: Any, input_ids: torch.Tensor, mask: torch.Tensor
 ) -> bool:
     """Whether :func:`_llama_step` computes exactly what ``model``'s forward would."""
-    from transformers.models.llama import modeling_llama as llama
-
     if type(model) is not llama.LlamaForCausalLM or input_ids.shape[1] != 1:
         return False
     config, inner = model.config, model.model
@@ -92,9 +93,7 @@ def _intercepted(module: torch.nn.Module) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 def _llama_step(
@@ -106,9 +105,6 @@ def _llama_step(
 ) -> torch.Tensor:
     """``LlamaForCausalLM.forward`` for one token per row over an in-place cache, as
     transformers computes it (``modeling_llama``): logits ``(b, V)``."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     inner = model.model
     attention = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     hidden = inner.embed_tokens(input_ids)  # (b, 1, H)
@@ -123,7 +119,7 @@ def _llama_step(
         query = att.q_proj(x).view(shape).transpose(1, 2)  # (b, heads, 1, d)
         key = att.k_proj(x).view(shape).transpose(1, 2)  # (b, kv heads, 1, d)
         value = att.v_proj(x).view(shape).transpose(1, 2)
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
         key, value = cache.update(key, value, i)  # (b, kv heads, slots, d)
         out, _ = attention(
             att,
