@@ -18,7 +18,10 @@ it after an optimizer step:
   of a few rows costs about as much as the product. Bit-identical outputs in bfloat16;
   float32 equal to rounding. The packed copies cost one more copy of the linear weights
   (0.27 GB for SmolLM2 in bfloat16) and are packed again when a sync changes the weights
-  (full fine-tuning; a LoRA run's base never changes).
+  (full fine-tuning; a LoRA run's base never changes). An attention layer's query, key
+  and value projections are packed once more as one matrix (:class:`PackedConcat`, 33 MB
+  for SmolLM2): the decode step's one call instead of three, used where it gives the
+  three outputs bit for bit (:meth:`PackedConcat.exact`).
 """
 
 from __future__ import annotations
@@ -286,37 +289,129 @@ class _PackedLinear(torch.nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.update: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.concats: list[PackedConcat] = []  # packed with others too: to pack again
         self.pack()
 
     @torch.no_grad()
     def pack(self) -> None:
         """Pack the current ``weight`` (after it changed), plus ``update`` if set."""
+        weight, self.packed_bias = self.effective()
+        self.packed = _reorder(weight)
+        for concat in self.concats:
+            concat.stale = True
+
+    def effective(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias this layer computes with: ``W + B A`` and ``b + bias``
+        when ``update`` is set, else its own."""
         weight, bias = self.weight.detach(), self.bias
         if self.update is not None:
             b, a, extra = self.update
             weight = torch.addmm(weight, b, a)  # W + B A: (out, r) @ (r, in)
             if extra is not None:
                 bias = extra if bias is None else bias.detach() + extra
-        # oneDNN's batch-size hint: in bfloat16 (avx512_bf16) no hint from 1 to 128 rows
-        # changed the speed, and 1 keeps the outputs bit-identical to F.linear's; in float32
-        # on an AVX2 CPU, hint 1 picks a layout 1.5-2x slower than none for the MLP and
-        # the LM head at 8 rows (the whole decode step: 60-70 -> 80-90 tok/s at 8 rows)
-        hint = 1 if weight.dtype == torch.bfloat16 else None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
-        self.packed_bias = bias
+        return weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
 
 
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``(out, in)``) laid out for oneDNN's linear kernel."""
+    # oneDNN's batch-size hint: in bfloat16 (avx512_bf16) no hint from 1 to 128 rows
+    # changed the speed, and 1 keeps the outputs bit-identical to F.linear's; in float32
+    # on an AVX2 CPU, hint 1 picks a layout 1.5-2x slower than none for the MLP and
+    # the LM head at 8 rows (the whole decode step: 60-70 -> 80-90 tok/s at 8 rows)
+    hint = 1 if weight.dtype == torch.bfloat16 else None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, hint)
+
+
+# (PackedConcat.shapes, rows, threads) -> whether a packed concatenation of those shapes
+# computes its layers' outputs bitwise (PackedConcat.exact)
+_CONCAT_EXACT: dict[tuple, bool] = {}
+
+
+class PackedConcat(torch.nn.Module):
+    """Several :class:`_PackedLinear` layers that read the same input (an attention
+    layer's query, key and value projections) packed as one matrix: their outputs side
+    by side, ``(..., sum of out features)``, from one oneDNN call instead of one each.
+
+    In a decode step of a few rows each call costs more than its product: SmolLM2's
+    three projections at 8 rows take 76 us a layer as three calls, 46 us as one (bfloat16,
+    2-core CPU). Each output column is the same dot product either way, but oneDNN does
+    not promise to accumulate it in the same order for a wider matrix, so
+    :meth:`exact` checks, per number of rows and threads, that the concatenation gives
+    the separate layers' outputs bit for bit; callers use it only where it does. The
+    layers stay the model's (prefill and every other path call them); when one of them
+    is packed again (a sync), so is the concatenation, at its next call. Costs one more
+    copy of the layers' weights (33 MB for SmolLM2 in bfloat16).
+    """
+
+    def __init__(self, layers: Sequence[_PackedLinear]):
+        super().__init__()
+        self.layers = tuple(layers)  # a tuple: not submodules (they stay where they are)
+        for layer in self.layers:
+            layer.concats.append(self)
+        self.pack()
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Pack the layers' current weights (:meth:`_PackedLinear.effective`) as one."""
+        weights, biases = zip(*(layer.effective() for layer in self.layers), strict=True)
+        self.packed = _reorder(torch.cat(weights))
+        self.packed_bias = None if biases[0] is None else torch.cat(biases)
+        self.stale = False  # set when one of the layers is packed again
+        # what oneDNN's kernel choice depends on, besides the rows and threads (exact)
+        self.shapes = (
+            weights[0].shape[1],
+            tuple(w.shape[0] for w in weights),
+            self.packed_bias is not None,
+            weights[0].dtype,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stale:  # a layer was packed again since
+            self.pack()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
+
+    def exact(self, rows: int) -> bool:
+        """Whether, for an input of ``rows`` rows (``(rows, 1, in)``, a decode step), this
+        gives the layers' outputs bitwise. Checked once per shapes, dtype, number of rows
+        and of threads (what oneDNN picks its kernel by, not the values): random inputs
+        through both, 2^18 output values in all. Summed in another order, about one
+        bfloat16 output in 8,000 differs (measured on SmolLM2's shapes; most float32
+        outputs do), so a different order would show some 30 times."""
+        key = (self.shapes, rows, torch.get_num_threads())
+        verdict = _CONCAT_EXACT.get(key)
+        if verdict is None:
+            in_features, widths, _, dtype = self.shapes
+            generator = torch.Generator().manual_seed(0)
+            verdict = _CONCAT_EXACT[key] = all(
+                torch.equal(self(x), torch.cat([layer(x) for layer in self.layers], -1))
+                for x in (
+                    torch.randn((rows, 1, in_features), generator=generator).to(dtype)
+                    for _ in range(max(16, -(-(2**18) // (rows * sum(widths)))))
+                )
+            )
+        return verdict
+
+
 def _pack_linears(model: torch.nn.Module) -> None:
     """Replace every plain ``nn.Linear`` of ``model`` (the sampling copy) with a
-    :class:`_PackedLinear` of the same weights (a LoRA layer's base layer included), and
-    fold float32 LoRA updates into the packed weights (:meth:`_LoRALinear.fold`)."""
+    :class:`_PackedLinear` of the same weights (a LoRA layer's base layer included), give
+    each attention layer whose q, k, v projections are all plain a :class:`PackedConcat`
+    of them (``packed_qkv``), and fold float32 LoRA updates into the packed weights
+    (:meth:`_LoRALinear.fold`)."""
     for name, module in list(model.named_modules()):
         if type(module) is torch.nn.Linear:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, _PackedLinear(module))
+    for module in list(model.modules()):  # attention layers: q, k, v also packed as one
+        layers = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        if not all(type(layer) is _PackedLinear for layer in layers):
+            continue  # not an attention layer, or a LoRA one (its update stays unmerged)
+        one_input = len({layer.in_features for layer in layers}) == 1
+        if one_input and len({layer.bias is None for layer in layers}) == 1:
+            module.packed_qkv = PackedConcat(layers)
     for module in model.modules():
         base = getattr(module, "base_layer", None)  # packed (not GPT-2's Conv1D), float32
         packed32 = isinstance(base, _PackedLinear) and base.weight.dtype == torch.float32

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from agentenv.lm import decode_step
+from agentenv.lm import decode_step, weights
 from agentenv.lm.attention import cached_forward
 from agentenv.lm.decode_step import decode_logits
 from agentenv.lm.engine import SamplingConfig
@@ -31,20 +31,34 @@ def lora_copy(model):
     return peft_model
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_direct_step_gives_the_forwards_logits_bitwise(sharp_model, tokenizer, dtype, lora):
+def test_direct_step_gives_the_forwards_logits_bitwise(
+    sharp_model, tokenizer, dtype, lora, packed, monkeypatch
+):
     """Step after step, with rows leaving the batch, the direct path's logits and KV cache
     equal those of the model's forward bit for bit (CPU bf16: grouped attention; float32:
-    SDPA over the in-place cache; LoRA: the sampler's unmerged or folded adapter)."""
+    SDPA over the in-place cache; LoRA: the sampler's unmerged or folded adapter; q, k, v
+    from one packed matrix where it is exact, or from each projection)."""
     policy = TransformersPolicy(
         lora_copy(sharp_model) if lora else sharp_model, tokenizer, dtype=dtype
     )
     model = policy.model
+    calls = []
+    forward = weights.PackedConcat.forward
+    monkeypatch.setattr(
+        weights.PackedConcat, "forward", lambda self, x: calls.append(1) or forward(self, x)
+    )
+    if not packed:
+        monkeypatch.setattr(weights.PackedConcat, "exact", lambda self, rows: False)
     with policy.decoding():
         cache, mask, logits, pos = policy.prefill(rows(tokenizer))
         ref_cache = copy.deepcopy(cache)
         assert mask.shape[0] == 3 and not mask.all()  # gaps before the shorter prompts
+        fused = getattr(model.model.layers[0].self_attn, "packed_qkv", None)
+        used = packed and fused is not None and fused.exact(3) and fused.exact(2)
+        calls.clear()  # (the exactness checks' own calls)
         for step in range(6):
             if step == 3:  # the middle row leaves: both caches drop it
                 keep = torch.tensor([0, 2])
@@ -65,6 +79,40 @@ def test_direct_step_gives_the_forwards_logits_bitwise(sharp_model, tokenizer, d
         assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(
             layer.values, ref_layer.values
         )
+    assert (fused is not None) == (not lora and weights.packs_linears("cpu", model.dtype))
+    assert len(calls) == (6 * len(model.model.layers) if used else 0)
+
+
+def test_a_hooked_projection_is_called_not_packed(sharp_model, tokenizer):
+    """A hook on the query projection: the direct path computes q, k, v one projection at
+    a time (the hook fires every step) and still gives the forward's logits."""
+    policy = TransformersPolicy(sharp_model, tokenizer, dtype="bfloat16")
+    calls = []
+    handle = policy.model.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda *args: calls.append(1)
+    )
+    try:
+        with policy.decoding():
+            cache, mask, logits, pos = policy.prefill(rows(tokenizer))
+            ref_cache = copy.deepcopy(cache)
+            calls.clear()
+            for _ in range(3):
+                token = logits.float().argmax(-1)[:, None]
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                assert decode_step._direct(policy.model, cache, token, mask)
+                logits, cache = decode_logits(policy.model, cache, token, mask, pos[:, None])
+                ref, ref_cache = cached_forward(
+                    policy.model,
+                    ref_cache,
+                    input_ids=token,
+                    attention_mask=mask,
+                    position_ids=pos[:, None],
+                )
+                pos = pos + 1
+                assert torch.equal(logits, ref[:, -1])
+    finally:
+        handle.remove()
+    assert len(calls) == 6  # three steps, ours and the reference's
 
 
 def test_a_hooked_model_runs_its_own_forward(sharp_model, tokenizer):

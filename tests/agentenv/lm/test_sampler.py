@@ -421,19 +421,28 @@ def test_sampler_draws_from_the_warped_distribution():
     assert greedy.tolist() == [4, 4]
 
 
+@pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sampling_draws_what_the_plain_inverse_cdf_formula_draws(temperature, dtype):
-    """``_sample``'s in-place float64 CDF and skipped division by 1 change nothing: the
-    same tokens and log-probs, bit for bit, as the formula written out, per-row seeds; the
-    logits it is given are left as they were."""
-    from agentenv.lm.decoding import _sample
+def test_sampling_draws_what_the_plain_inverse_cdf_formula_draws(temperature, dtype, kept):
+    """``_sample``'s in-place float64 CDF, skipped division by 1 and buffers kept from a
+    previous step (``kept``: a step of 24 rows first, so these 16 use the front of larger
+    buffers holding its values) change nothing: the same tokens and log-probs, bit for bit,
+    as the formula written out, per-row seeds; the logits it is given are left as they were."""
+    from agentenv.lm.decoding import Buffers, _sample
 
+    buffers = Buffers() if kept else None
+    if kept:
+        _sample(torch.randn(24, 4096).to(dtype), temperature, [], None, buffers)
+        cdf = buffers.take("cdf", (24, 4096), torch.float64, torch.device("cpu"))
     logits = (torch.randn(16, 4096, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
     before = logits.clone()
     token, logp = _sample(
-        logits, temperature, [], [torch.Generator().manual_seed(i) for i in range(16)]
+        logits, temperature, [], [torch.Generator().manual_seed(i) for i in range(16)], buffers
     )
+    if kept:  # the same storage, not a new one
+        again = buffers.take("cdf", (16, 4096), torch.float64, torch.device("cpu"))
+        assert again.data_ptr() == cdf.data_ptr() and again.shape == (16, 4096)
     logp_ref = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
     if temperature:
         cdf = logp_ref.double().exp().cumsum(dim=-1)

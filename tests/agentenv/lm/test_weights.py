@@ -1,0 +1,100 @@
+"""The sampling copy's attention projections packed as one matrix (``PackedConcat``)."""
+
+import copy
+
+import pytest
+import torch
+
+from agentenv.lm import weights
+from agentenv.lm.sampler import TransformersPolicy
+
+
+def packed_layers(dtype, bias=False, seed=0):
+    """A query, key and value projection of one 64-wide input (64, 16, 16 outputs), packed."""
+    torch.manual_seed(seed)
+    return [
+        weights._PackedLinear(torch.nn.Linear(64, n, bias=bias, dtype=dtype)) for n in (64, 16, 16)
+    ]
+
+
+def skip_unless_packed(dtype):
+    if not weights.packs_linears("cpu", dtype):
+        pytest.skip(f"oneDNN packs no {dtype} linear on this CPU (bf16 needs avx512bw/vl/dq)")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_concat_gives_its_layers_outputs_side_by_side(dtype, bias):
+    """Bitwise where :meth:`exact` says so (the decode step uses it only there); equal to
+    float rounding anywhere."""
+    skip_unless_packed(dtype)
+    layers = packed_layers(dtype, bias)
+    concat = weights.PackedConcat(layers)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, 1, 64, generator=gen).to(dtype)
+            out = concat(x)
+            expected = torch.cat([layer(x) for layer in layers], -1)
+            assert out.shape == (rows, 1, 96) and out.dtype == dtype
+            if concat.exact(rows):
+                assert torch.equal(out, expected)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_is_false_when_the_concatenation_differs_in_one_last_bit(dtype, monkeypatch):
+    """The check is sharp: one weight of the packed concatenation one unit in the last
+    place off (a change smaller than most outputs' rounding) is caught, for one row and
+    for many."""
+    skip_unless_packed(dtype)
+    monkeypatch.setattr(weights, "_CONCAT_EXACT", {})
+    layers = packed_layers(dtype)
+    concat = weights.PackedConcat(layers)
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    bits = weight.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+    bits[70, 5] += 1  # key row 6, one weight: the next representable value
+    concat.packed = weights._reorder(weight)
+    with torch.no_grad():
+        assert not concat.exact(1) and not concat.exact(8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_concat_follows_its_layers_when_they_are_packed_again(dtype):
+    """A sync copies new weights into the layers and packs them again (full fine-tuning):
+    the concatenation packs itself again at its next call."""
+    skip_unless_packed(dtype)
+    layers = packed_layers(dtype)
+    concat = weights.PackedConcat(layers)
+    x = torch.randn(4, 1, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.no_grad():
+        before = concat(x)
+        for layer in layers:
+            layer.weight.mul_(-2.0)
+            layer.pack()
+        assert concat.stale
+        after = concat(x)
+        assert not concat.stale
+        expected = torch.cat([layer(x) for layer in layers], -1)
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, -2.0 * before, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(
+    not weights.packs_linears("cpu", torch.bfloat16),
+    reason="oneDNN packs no bfloat16 linear on this CPU (needs avx512bw/vl/dq)",
+)
+def test_sampling_copy_packs_plain_attention_projections_as_one(tiny_model, tokenizer):
+    """Every attention layer of a plain model gets its q, k, v packed as one; a LoRA
+    model's adapted projections stay separate (the update runs unmerged)."""
+    from algorithms.lora import apply_lora
+
+    model = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16").model
+    for layer in model.model.layers:
+        att = layer.self_attn
+        assert att.packed_qkv.layers == (att.q_proj, att.k_proj, att.v_proj)
+    assert "packed_qkv" not in dict(model.named_parameters())  # no parameters of its own
+    peft_model = apply_lora(copy.deepcopy(tiny_model), 4, 8, 0.0, ["q_proj"], 0)
+    lora = TransformersPolicy(peft_model, tokenizer, dtype="bfloat16").model
+    assert isinstance(lora.model.layers[0].self_attn.q_proj, weights._LoRALinear)
+    assert not any(hasattr(layer.self_attn, "packed_qkv") for layer in lora.model.layers)
