@@ -150,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     if "agentenv_lora" in chosen:
         base = copy.deepcopy(model).to(auto)
         trained = apply_lora(base, 16, 32, 0.0, GRPOConfig().lora_target_modules, args.seed)
+        gen = torch.Generator().manual_seed(args.seed)  # the same adapter every run
         with torch.no_grad():  # an adapter that has been trained a little
             for name, p in trained.named_parameters():
                 if "lora_B" in name:
-                    p.normal_(0.0, 1e-3)
+                    p.normal_(0.0, 1e-3, generator=gen)
         runs["agentenv_lora"] = policy_run(TransformersPolicy(trained, tokenizer), sampling)
     if "agentenv_stop" in chosen:
         runs["agentenv_stop"] = policy_run(default, with_stops)

@@ -38,6 +38,7 @@ from agentenv.lm.attention import (
     _over_spare_slots,
     cached_forward,
 )
+from agentenv.lm.weights import _LoRALinear
 
 
 def decode_logits(
@@ -152,28 +153,47 @@ def _projections(
     """The attention layer's query ``(b, heads, 1, d)`` and key and value ``(b, kv heads,
     1, d)`` for ``x`` ``(b, 1, H)``, rotary embedding applied (``sin`` signed by
     :func:`_signed`). From the three projections packed as one
-    (:class:`~agentenv.lm.weights.PackedConcat`, its outputs bitwise theirs) where the
-    sampling copy has it, else from each."""
+    (:class:`~agentenv.lm.weights.PackedConcat`, its outputs bitwise theirs; an unmerged
+    LoRA update added to its part as the LoRA layer adds it) where the sampling copy has
+    it, else from each."""
     b, d = x.shape[0], att.head_dim
-    q_proj, k_proj, v_proj = att.q_proj, att.k_proj, att.v_proj
+    projections = (att.q_proj, att.k_proj, att.v_proj)
     fused = getattr(att, "packed_qkv", None)
-    if (
-        fused is not None
-        and fused.layers == (q_proj, k_proj, v_proj)  # (modules compare by identity)
-        and not (_intercepted(q_proj) or _intercepted(k_proj) or _intercepted(v_proj))
-        and fused.exact(b)
-    ):
+    updates = None if fused is None else _updates(fused, projections)
+    if updates is not None and fused.exact(b):
         qkv = fused(x)  # (b, 1, (heads + 2 kv heads) d)
-        values = v_proj.out_features
+        start = 0
+        for lora, layer in zip(updates, fused.layers, strict=True):
+            if lora is not None:  # (in float32, rounded once into the bf16 slice)
+                qkv[..., start : start + layer.out_features].add_(lora.delta(x))
+            start += layer.out_features
+        values = fused.layers[2].out_features
         # query and key rotated together: one set of operations for both
         qk = _rotate(qkv[..., :-values].view(b, 1, -1, d).transpose(1, 2), cos, sin)
-        heads = q_proj.out_features // d
+        heads = fused.layers[0].out_features // d
         return qk[:, :heads], qk[:, heads:], qkv[..., -values:].view(b, 1, -1, d).transpose(1, 2)
     shape = (b, 1, -1, d)
-    query = q_proj(x).view(shape).transpose(1, 2)
-    key = k_proj(x).view(shape).transpose(1, 2)
-    value = v_proj(x).view(shape).transpose(1, 2)
+    query, key, value = (p(x).view(shape).transpose(1, 2) for p in projections)
     return _rotate(query, cos, sin), _rotate(key, cos, sin), value
+
+
+def _updates(fused: Any, projections: tuple[torch.nn.Module, ...]) -> list | None:
+    """Per projection, the LoRA layer whose unmerged update is added to its part of
+    ``fused``'s output (None: nothing to add); None when ``fused`` does not compute what
+    calling the projections would (another layer in place, or hooks)."""
+    updates = []
+    for layer, projection in zip(fused.layers, projections, strict=True):
+        if _intercepted(projection):
+            return None
+        if projection is layer:
+            updates.append(None)
+        elif type(projection) is _LoRALinear and projection.base_layer is layer:
+            if _intercepted(layer):
+                return None
+            updates.append(None if projection.folded else projection)  # folded: in `fused`
+        else:
+            return None
+    return updates
 
 
 def _signed(sin: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,11 @@ model's forward pass instead of ``model.generate``, because that lets it:
   depend on the rest of its batch (nor on how many processes split the work).
 * **attend with grouped matmuls** on a CPU in bfloat16 (:mod:`agentenv.lm.attention`).
 * **decode without transformers' per-call work** for Llama-architecture models
-  (:mod:`agentenv.lm.decode_step`: the same operations, bitwise the same logits), in
-  inference mode.
+  (:mod:`agentenv.lm.decode_step`: the same operations, bitwise the same logits; q, k, v
+  from one packed matrix where that is exact), in inference mode, the draw's
+  vocabulary-sized buffers kept from step to step.
 
-On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at 2.0-2.7x the tok/s of plain
+On a 2-core CPU with avx512_bf16 this runs SmolLM2-135M at 2.0-3.1x the tok/s of plain
 ``generate`` in float32 (runs vary), and 1.5-1.9x that of ``generate`` in bfloat16 with a
 static cache (``python benchmarks/generation.py``).
 """

@@ -236,8 +236,11 @@ class _LoRALinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.folded:
             return self.base_layer(x)
-        update = F.linear(F.linear(x.float(), self.a), self.b, self.bias)
-        return self.base_layer(x).add_(update)
+        return self.base_layer(x).add_(self.delta(x))
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The unmerged update ``x A^T B^T (+ bias)``, in float32."""
+        return F.linear(F.linear(x.float(), self.a), self.b, self.bias)
 
 
 @functools.cache
@@ -398,17 +401,18 @@ class PackedConcat(torch.nn.Module):
 def _pack_linears(model: torch.nn.Module) -> None:
     """Replace every plain ``nn.Linear`` of ``model`` (the sampling copy) with a
     :class:`_PackedLinear` of the same weights (a LoRA layer's base layer included), give
-    each attention layer whose q, k, v projections are all plain a :class:`PackedConcat`
-    of them (``packed_qkv``), and fold float32 LoRA updates into the packed weights
-    (:meth:`_LoRALinear.fold`)."""
+    each attention layer a :class:`PackedConcat` of its q, k, v projections (``packed_qkv``;
+    a LoRA layer's base layer: its unmerged update is added by the caller), and fold
+    float32 LoRA updates into the packed weights (:meth:`_LoRALinear.fold`)."""
     for name, module in list(model.named_modules()):
         if type(module) is torch.nn.Linear:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, _PackedLinear(module))
     for module in list(model.modules()):  # attention layers: q, k, v also packed as one
         layers = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        layers = [getattr(x, "base_layer", x) if type(x) is _LoRALinear else x for x in layers]
         if not all(type(layer) is _PackedLinear for layer in layers):
-            continue  # not an attention layer, or a LoRA one (its update stays unmerged)
+            continue  # not an attention layer (or not one of linear layers)
         one_input = len({layer.in_features for layer in layers}) == 1
         if one_input and len({layer.bias is None for layer in layers}) == 1:
             module.packed_qkv = PackedConcat(layers)

@@ -79,18 +79,19 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
         assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(
             layer.values, ref_layer.values
         )
-    assert (fused is not None) == (not lora and weights.packs_linears("cpu", model.dtype))
+    assert (fused is not None) == weights.packs_linears("cpu", model.dtype)
     assert len(calls) == (6 * len(model.model.layers) if used else 0)
 
 
-def test_a_hooked_projection_is_called_not_packed(sharp_model, tokenizer):
-    """A hook on the query projection: the direct path computes q, k, v one projection at
-    a time (the hook fires every step) and still gives the forward's logits."""
-    policy = TransformersPolicy(sharp_model, tokenizer, dtype="bfloat16")
+@pytest.mark.parametrize("hooked", ["q_proj", "q_proj.base_layer"])
+def test_a_hooked_projection_is_called_not_packed(sharp_model, tokenizer, hooked):
+    """A hook on the query projection (a LoRA layer, or its base layer): the direct path
+    computes q, k, v one projection at a time (the hook fires every step) and still gives
+    the forward's logits."""
+    policy = TransformersPolicy(lora_copy(sharp_model), tokenizer, dtype="bfloat16")
     calls = []
-    handle = policy.model.model.layers[0].self_attn.q_proj.register_forward_hook(
-        lambda *args: calls.append(1)
-    )
+    module = policy.model.model.layers[0].self_attn.get_submodule(hooked)
+    handle = module.register_forward_hook(lambda *args: calls.append(1))
     try:
         with policy.decoding():
             cache, mask, logits, pos = policy.prefill(rows(tokenizer))

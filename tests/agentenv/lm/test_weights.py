@@ -84,9 +84,9 @@ def test_packed_concat_follows_its_layers_when_they_are_packed_again(dtype):
     not weights.packs_linears("cpu", torch.bfloat16),
     reason="oneDNN packs no bfloat16 linear on this CPU (needs avx512bw/vl/dq)",
 )
-def test_sampling_copy_packs_plain_attention_projections_as_one(tiny_model, tokenizer):
-    """Every attention layer of a plain model gets its q, k, v packed as one; a LoRA
-    model's adapted projections stay separate (the update runs unmerged)."""
+def test_sampling_copy_packs_each_attention_layers_projections_as_one(tiny_model, tokenizer):
+    """Every attention layer gets its q, k, v packed as one; for a LoRA projection, its
+    base layer (the caller adds the unmerged update)."""
     from algorithms.lora import apply_lora
 
     model = TransformersPolicy(tiny_model, tokenizer, dtype="bfloat16").model
@@ -96,5 +96,7 @@ def test_sampling_copy_packs_plain_attention_projections_as_one(tiny_model, toke
     assert "packed_qkv" not in dict(model.named_parameters())  # no parameters of its own
     peft_model = apply_lora(copy.deepcopy(tiny_model), 4, 8, 0.0, ["q_proj"], 0)
     lora = TransformersPolicy(peft_model, tokenizer, dtype="bfloat16").model
-    assert isinstance(lora.model.layers[0].self_attn.q_proj, weights._LoRALinear)
-    assert not any(hasattr(layer.self_attn, "packed_qkv") for layer in lora.model.layers)
+    for layer in lora.model.layers:
+        att = layer.self_attn
+        assert isinstance(att.q_proj, weights._LoRALinear) and not att.q_proj.folded
+        assert att.packed_qkv.layers == (att.q_proj.base_layer, att.k_proj, att.v_proj)
