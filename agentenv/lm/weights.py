@@ -412,7 +412,7 @@ def _pack_linears(model: torch.nn.Module) -> None:
         layers = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         layers = [getattr(x, "base_layer", x) if type(x) is _LoRALinear else x for x in layers]
         if not all(type(layer) is _PackedLinear for layer in layers):
-            continue  # not an attention layer (or not one of linear layers)
+            continue  # not an attention layer, or projections that are not linear layers
         one_input = len({layer.in_features for layer in layers}) == 1
         if one_input and len({layer.bias is None for layer in layers}) == 1:
             module.packed_qkv = PackedConcat(layers)

@@ -58,7 +58,11 @@ def run_scripted(tokenizer, template):
     config = RolloutConfig(
         group_size=2, max_turns=5, sampling=SamplingConfig(64), show_progress=False
     )
-    groups, _ = collect(lambda: agentenv.make("Calculator-v0"), [0, 1], policy, fmt, config)
+    # a generous tool time limit: the calls' results are under test, not their wall-clock
+    # (CI once lost the "division by zero" result here, which a call past the default 2 s
+    # limit would do; it did not reproduce in 40 runs)
+    make = lambda: agentenv.make("Calculator-v0", tool_timeout_s=60.0)  # noqa: E731
+    groups, _ = collect(make, [0, 1], policy, fmt, config)
     return fmt, policy, [e for g in groups for e in g]
 
 
