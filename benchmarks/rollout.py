@@ -3,6 +3,7 @@
     python benchmarks/rollout.py                       # all scenarios, 8 / 32 / 64 episodes
     python benchmarks/rollout.py --scenarios calc --sizes 8 64
     python benchmarks/rollout.py --device cuda          # the model on a GPU (default: cpu)
+    python benchmarks/rollout.py --device cuda --passes 3 --rag-retriever bm25
     .venv-vllm/bin/python benchmarks/rollout.py --engines agentenv vllm   # and vLLM in-process
 
 For each scenario and number of episodes (G = 8 per task, sampled at temperature 1.0 from
@@ -183,7 +184,23 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", nargs="+", default=["agentenv"], choices=["agentenv", "vllm"])
+    parser.add_argument(
+        "--rag-retriever",
+        default="hybrid",
+        choices=["hybrid", "bm25"],
+        help="RAG-v0's retriever; bm25 needs neither Chroma nor the MiniLM embeddings (a machine "
+        "without them); its passages differ from hybrid's, so compare like with like",
+    )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="collect every scenario and size this many times, each pass printed: on a GPU the "
+        "first time at a shape pays for it (cuDNN plans), so the second pass is the steady state",
+    )
     args = parser.parse_args()
+    if args.rag_retriever != "hybrid":
+        SCENARIOS["rag"]["env"][1]["retriever"] = args.rag_retriever
 
     import torch
 
@@ -220,7 +237,15 @@ def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
         f"{'tokens':>6} {'tok/s':>6} {'vs fixed':>8} {'prefill s':>9} {'read':>6} "
         f"{'decode tok/s':>12} {'vs fixed':>8} {'rows':>5} {'env s':>6} {'env wait s':>10}"
     )
-    print(header)
+    for k in range(args.passes):
+        if args.passes > 1:
+            print(f"### pass {k + 1} of {args.passes}")
+        print(header)
+        collect_table(policy, fmt, args, fixed)
+
+
+def collect_table(policy: Any, fmt: Any, args: argparse.Namespace, fixed: dict) -> None:
+    """Every scenario and size, lockstep then continuous, a row each."""
     for name in args.scenarios:
         scenario = SCENARIOS[name]
         for n in args.sizes:

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from devices import DEVICES, on
 
 from agentenv.lm import decode_step, weights
 from agentenv.lm.attention import cached_forward
@@ -27,23 +28,24 @@ def lora_copy(model):
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+                g = torch.Generator().manual_seed(len(name))  # on the CPU: any device's model
+                param.copy_(torch.empty(param.shape).normal_(0, 0.5, generator=g))
     return peft_model
 
 
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("device", DEVICES)
 def test_direct_step_gives_the_forwards_logits_bitwise(
-    sharp_model, tokenizer, dtype, lora, packed, monkeypatch
+    sharp_model, tokenizer, device, dtype, lora, packed, monkeypatch
 ):
     """Step after step, with rows leaving the batch, the direct path's logits and KV cache
     equal those of the model's forward bit for bit (CPU bf16: grouped attention; float32:
     SDPA over the in-place cache; LoRA: the sampler's unmerged or folded adapter; q, k, v
     from one packed matrix where it is exact, or from each projection)."""
-    policy = TransformersPolicy(
-        lora_copy(sharp_model) if lora else sharp_model, tokenizer, dtype=dtype
-    )
+    model = on(sharp_model, device)
+    policy = TransformersPolicy(lora_copy(model) if lora else model, tokenizer, dtype=dtype)
     model = policy.model
     calls = []
     forward = weights.PackedConcat.forward
@@ -52,8 +54,9 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
     )
     if not packed:
         monkeypatch.setattr(weights.PackedConcat, "exact", lambda self, rows: False)
+    dev = policy.device
     with policy.decoding():
-        cache, mask, logits, pos = policy.prefill(rows(tokenizer))
+        cache, mask, logits, pos = policy.prefill(rows(tokenizer))  # mask, pos on the CPU
         ref_cache = copy.deepcopy(cache)
         assert mask.shape[0] == 3 and not mask.all()  # gaps before the shorter prompts
         fused = getattr(model.model.layers[0].self_attn, "packed_qkv", None)
@@ -62,15 +65,16 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
         for step in range(6):
             if step == 3:  # the middle row leaves: both caches drop it
                 keep = torch.tensor([0, 2])
-                cache.batch_select_indices(keep)
-                ref_cache.batch_select_indices(keep)
-                mask, pos, logits = mask[keep], pos[keep], logits[keep]
+                cache.batch_select_indices(keep.to(dev))
+                ref_cache.batch_select_indices(keep.to(dev))
+                mask, pos, logits = mask[keep], pos[keep], logits[keep.to(dev)]
             token = logits.float().argmax(-1)[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            assert decode_step._direct(model, cache, token, mask)
-            logits, cache = decode_logits(model, cache, token, mask, pos[:, None])
+            m, p = mask.to(dev), pos[:, None].to(dev)
+            assert decode_step._direct(model, cache, token, m)
+            logits, cache = decode_logits(model, cache, token, m, p)
             ref, ref_cache = cached_forward(
-                model, ref_cache, input_ids=token, attention_mask=mask, position_ids=pos[:, None]
+                model, ref_cache, input_ids=token, attention_mask=m, position_ids=p
             )
             pos = pos + 1
             assert logits.shape == (len(mask), model.config.vocab_size)
@@ -79,7 +83,7 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
         assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(
             layer.values, ref_layer.values
         )
-    assert (fused is not None) == weights.packs_linears("cpu", model.dtype)
+    assert (fused is not None) == weights.packs_linears(device, model.dtype)
     assert len(calls) == (6 * len(model.model.layers) if used else 0)
 
 
@@ -149,15 +153,17 @@ def test_a_hooked_model_runs_its_own_forward(sharp_model, tokenizer):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("device", DEVICES)
 def test_continuous_batching_samples_the_same_with_and_without_the_direct_path(
-    sharp_model, tokenizer, dtype, monkeypatch
+    sharp_model, tokenizer, device, dtype, monkeypatch
 ):
     """Rows joining, ending and continuing a running batch: the same tokens and log-probs
     whether decode steps take the direct path or the model's forward."""
     sampling = SamplingConfig(max_new_tokens=10, temperature=1.0, stop_strings=[])
+    model = on(sharp_model, device)
 
     def run():
-        policy = TransformersPolicy(sharp_model, tokenizer, dtype=dtype)
+        policy = TransformersPolicy(model, tokenizer, dtype=dtype)
         decoder = policy.decoder(sampling)
         ps = rows(tokenizer)
         decoder.add(0, ps[0], seed=1, max_new_tokens=10)
