@@ -3,7 +3,7 @@
     python benchmarks/rollout.py                       # all scenarios, 8 / 32 / 64 episodes
     python benchmarks/rollout.py --scenarios calc --sizes 8 64
     python benchmarks/rollout.py --device cuda          # the model on a GPU (default: cpu)
-    python benchmarks/rollout.py --device cuda --passes 3 --rag-retriever bm25
+    python benchmarks/rollout.py --device cuda --passes 4 --fresh-episodes --rag-retriever bm25
     .venv-vllm/bin/python benchmarks/rollout.py --engines agentenv vllm   # and vLLM in-process
 
 For each scenario and number of episodes (G = 8 per task, sampled at temperature 1.0 from
@@ -81,7 +81,14 @@ def make_factory(env_id: str, kwargs: dict[str, Any], sleep_s: float) -> Any:
 
 
 def collect_once(
-    policy: Any, fmt: Any, scenario: dict, episodes: int, group: int, seed: int, engine: str
+    policy: Any,
+    fmt: Any,
+    scenario: dict,
+    episodes: int,
+    group: int,
+    seed: int,
+    engine: str,
+    first_task: int = 0,
 ) -> dict:
     import agentenv
 
@@ -95,7 +102,7 @@ def collect_once(
         env_workers=max(8, episodes),
         batching=engine,
     )
-    tasks = list(range(episodes // group))
+    tasks = list(range(first_task, first_task + episodes // group))
     t0 = time.perf_counter()
     groups, m = agentenv.collect(
         factory,
@@ -198,6 +205,13 @@ def main() -> None:
         help="collect every scenario and size this many times, each pass printed: on a GPU the "
         "first time at a shape pays for it (cuDNN plans), so the second pass is the steady state",
     )
+    parser.add_argument(
+        "--fresh-episodes",
+        action="store_true",
+        help="with --passes: each pass collects other tasks with another seed (pass k: tasks "
+        "after pass k-1's, seed + k), and the two systems take turns going first, as the steps "
+        "of a training run meet partly new shapes",
+    )
     args = parser.parse_args()
     if args.rag_retriever != "hybrid":
         SCENARIOS["rag"]["env"][1]["retriever"] = args.rag_retriever
@@ -241,17 +255,30 @@ def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
         if args.passes > 1:
             print(f"### pass {k + 1} of {args.passes}")
         print(header)
-        collect_table(policy, fmt, args, fixed)
+        collect_table(policy, fmt, args, fixed, k if args.fresh_episodes else 0)
 
 
-def collect_table(policy: Any, fmt: Any, args: argparse.Namespace, fixed: dict) -> None:
-    """Every scenario and size, lockstep then continuous, a row each."""
+def collect_table(
+    policy: Any, fmt: Any, args: argparse.Namespace, fixed: dict, fresh: int = 0
+) -> None:
+    """Every scenario and size in both systems, a row each: lockstep first, except on the
+    odd passes of ``--fresh-episodes`` (``fresh``: the pass's number, 0 otherwise)."""
+    systems = ("continuous", "lockstep") if fresh % 2 else ("lockstep", "continuous")
     for name in args.scenarios:
         scenario = SCENARIOS[name]
         for n in args.sizes:
             results = {}
-            for system in ("lockstep", "continuous"):
-                m = collect_once(policy, fmt, scenario, n, args.group_size, args.seed, system)
+            for system in systems:
+                m = collect_once(
+                    policy,
+                    fmt,
+                    scenario,
+                    n,
+                    args.group_size,
+                    args.seed + fresh,
+                    system,
+                    first_task=fresh * (n // args.group_size),
+                )
                 results[system] = m
                 print(
                     f"{name:<8} {n:>8} {system:<10} {m['wall_s']:>7.1f} "
