@@ -41,9 +41,9 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
     sharp_model, tokenizer, device, dtype, lora, packed, monkeypatch
 ):
     """Step after step, with rows leaving the batch, the direct path's logits and KV cache
-    equal those of the model's forward bit for bit (CPU bf16: grouped attention; float32:
-    SDPA over the in-place cache; LoRA: the sampler's unmerged or folded adapter; q, k, v
-    from one packed matrix where it is exact, or from each projection)."""
+    equal those of the model's forward bit for bit (CPU bf16: grouped attention; float32
+    and a GPU: SDPA over the in-place cache; LoRA: the sampler's unmerged or folded adapter;
+    q, k, v from one packed matrix where it is exact, or from each projection)."""
     model = on(sharp_model, device)
     policy = TransformersPolicy(lora_copy(model) if lora else model, tokenizer, dtype=dtype)
     model = policy.model
