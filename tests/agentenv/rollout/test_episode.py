@@ -1,5 +1,6 @@
 """Mask exactness: every mask-1 token was sampled by the policy, nothing else is."""
 
+import functools
 import json
 
 import pytest
@@ -61,7 +62,7 @@ def run_scripted(tokenizer, template):
     # a generous tool time limit: the calls' results are under test, not their wall-clock
     # (CI once lost the "division by zero" result here, which a call past the default 2 s
     # limit would do; it did not reproduce in 40 runs)
-    make = lambda: agentenv.make("Calculator-v0", tool_timeout_s=60.0)  # noqa: E731
+    make = functools.partial(agentenv.make, "Calculator-v0", tool_timeout_s=60.0)
     groups, _ = collect(make, [0, 1], policy, fmt, config)
     return fmt, policy, [e for g in groups for e in g]
 
