@@ -91,7 +91,9 @@ def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
         for ep in episodes:
             policy_ids = [t for t, a in zip(ep.input_ids, ep.action_mask, strict=True) if a]
             ep.reward += args.reward_noise * token_hash(policy_ids)
-        models.release_memory()  # as `agentenv train` does after each phase
+        if hasattr(policy, "release_weights"):  # as `agentenv train` does before learning
+            policy.release_weights()
+        models.release_memory()  # and after each phase
         t_learn = time.perf_counter()
         metrics = algo.learn(groups)
         models.release_memory()

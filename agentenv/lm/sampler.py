@@ -49,7 +49,7 @@ from agentenv.lm.attention import append_cache, cached_forward, sampler_attentio
 from agentenv.lm.decoding import Decoder, drain, plain_layers
 from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
 from agentenv.lm.precision import resolve_dtype
-from agentenv.lm.weights import sampling_copy, sync_weights, trainable_version
+from agentenv.lm.weights import release_packed, sampling_copy, sync_weights, trainable_version
 
 
 class TransformersPolicy:
@@ -120,6 +120,18 @@ class TransformersPolicy:
     def clear_cache(self) -> None:
         """Drop the KV caches kept for continuations (``collect`` calls it after a batch)."""
         self._saved = {}
+
+    def release_weights(self) -> int:
+        """Free the sampling copy's packed weights that the next sync packs again anyway
+        (:func:`~agentenv.lm.weights.release_packed`): the trainer calls it before each
+        learn phase, which then has that memory for its activations (0.49 GB for SmolLM2
+        with LoRA in float32; nothing in bfloat16). Returns the bytes freed. The next
+        generation packs them again: through its sync, or at their first call if the
+        weights did not change."""
+        full = any(
+            p.requires_grad and ".lora_" not in n for n, p in self.trained.named_parameters()
+        )
+        return release_packed(self.model, every_layer=full)
 
     def may_end(self, token: int, finals: frozenset[str] | None) -> bool:
         """False if ``token`` cannot complete a stop string: its own text has none of the

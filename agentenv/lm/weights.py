@@ -18,7 +18,8 @@ it after an optimizer step:
   of a few rows costs about as much as the product. Bit-identical outputs in bfloat16;
   float32 equal to rounding. The packed copies cost one more copy of the linear weights
   (0.27 GB for SmolLM2 in bfloat16) and are packed again when a sync changes the weights
-  (full fine-tuning; a LoRA run's base never changes). An attention layer's query, key
+  (full fine-tuning; a LoRA run's base never changes). Those a sync packs again are freed
+  while the trainer learns (:func:`release_packed`). An attention layer's query, key
   and value projections are packed once more as one matrix (:class:`PackedConcat`, 33 MB
   for SmolLM2): the decode step's one call instead of three, used where it gives the
   three outputs bit for bit (:meth:`PackedConcat.exact`).
@@ -314,8 +315,24 @@ class _PackedLinear(torch.nn.Module):
                 bias = extra if bias is None else bias.detach() + extra
         return weight, bias
 
+    def release(self) -> int:
+        """Free the packed copy (its next call packs it again); return the bytes freed."""
+        packed, self.packed = self.packed, None
+        freed = 0 if packed is None else _nbytes(packed)
+        return freed + sum(concat.release() for concat in self.concats)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:  # released (release_packed): pack the current weights
+            self.pack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a packed weight holds (an opaque oneDNN tensor reports no storage)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):
+        return t.numel() * t.element_size()
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
@@ -371,8 +388,14 @@ class PackedConcat(torch.nn.Module):
             weights[0].dtype,
         )
 
+    def release(self) -> int:
+        """Free the packed matrix (the next call packs the layers' weights again); return
+        the bytes freed."""
+        packed, self.packed, self.stale = self.packed, None, True
+        return 0 if packed is None else _nbytes(packed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.stale:  # a layer was packed again since
+        if self.stale:  # a layer was packed again since, or released
             self.pack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
 
@@ -421,3 +444,17 @@ def _pack_linears(model: torch.nn.Module) -> None:
         packed32 = isinstance(base, _PackedLinear) and base.weight.dtype == torch.float32
         if isinstance(module, _LoRALinear) and packed32:
             module.fold()
+
+
+def release_packed(model: torch.nn.Module, *, every_layer: bool) -> int:
+    """Free the packed weights of ``model`` (a sampling copy) that the next sync packs
+    again anyway: those of float32 LoRA layers (their packed weights hold the update) or,
+    with ``every_layer`` (full fine-tuning: a sync packs every layer again), all of them.
+    A layer released and not synced packs itself again at its next call. Returns the
+    bytes freed (0.49 GB for SmolLM2 with LoRA in float32; none in bfloat16, whose LoRA
+    updates stay unmerged beside a base packed once)."""
+    return sum(
+        module.release()
+        for module in model.modules()
+        if isinstance(module, _PackedLinear) and (every_layer or module.update is not None)
+    )

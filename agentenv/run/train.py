@@ -259,6 +259,8 @@ def train(
                 train_env, seeds, policy, fmt, rollout, sample_seed=sampling_seed(config.seed, step)
             )
             _check_failures(groups, config.max_failed_fraction, step + 1, ckpt_dir, acc)
+            if hasattr(policy, "release_weights"):  # packed copies the update makes stale
+                policy.release_weights()
             models.release_memory()
             t_learn = time.perf_counter()
             metrics.update(algo.learn(groups))

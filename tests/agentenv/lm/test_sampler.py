@@ -363,6 +363,53 @@ def test_sampling_copy_packs_every_linear_and_shares_the_frozen_base(tiny_model,
     assert not any(isinstance(m, weights._PackedLinear) for m in trained_modules)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "lora"),
+    [("float32", True), ("float32", False), ("bfloat16", True), ("bfloat16", False)],
+)
+def test_released_weights_are_packed_again_to_the_same_tokens(tiny_model, tokenizer, dtype, lora):
+    """``release_weights`` (the trainer, before a learn phase) frees the packed copies a
+    sync makes again: float32 LoRA layers (the update is folded into them) or every layer
+    in full fine-tuning; a bfloat16 LoRA run's base, packed once, stays. The next
+    generation packs them again: the same tokens and log-probs, bit for bit, as without
+    the release, before and after an optimizer step."""
+    from algorithms.lora import apply_lora
+
+    if not weights.packs_linears("cpu", getattr(torch, dtype)):
+        pytest.skip(f"oneDNN packs no {dtype} linear on this CPU")
+    model = apply_lora(tiny_model, 4, 8, 0.0, ["q_proj", "up_proj"], seed=0) if lora else tiny_model
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def train_step(seed: int) -> None:  # an optimizer step's change (LoRA B too: not 0)
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+    train_step(3)
+    policy = TransformersPolicy(model, tokenizer, dtype=dtype)
+    packed = [m for m in policy.model.modules() if isinstance(m, weights._PackedLinear)]
+    volatile = [m for m in packed if not lora or m.update is not None]
+    assert len(volatile) == (0 if lora and dtype == "bfloat16" else 4 if lora else len(packed))
+    ps, sampling = prompts(tokenizer), SamplingConfig(8, temperature=1.0, stop_strings=[])
+
+    def draw(p: TransformersPolicy) -> list[tuple[list[int], list[float]]]:
+        return [
+            (g.token_ids, g.sampler_logprobs) for g in p.generate(ps, sampling, seeds=[1, 2, 3])
+        ]
+
+    kept = draw(policy)
+    freed = policy.release_weights()
+    assert all(m.packed is None for m in volatile)
+    assert all(m.packed is not None for m in packed if m not in volatile)
+    expected = sum(m.weight.numel() * m.weight.element_size() for m in volatile)
+    assert freed >= expected * (dtype == "float32")  # (+ the q, k, v concatenations)
+    assert draw(policy) == kept  # the weights did not change: packed again as they were
+    assert all(m.packed is not None for m in packed)
+    train_step(4)
+    policy.release_weights()
+    assert draw(policy) == draw(TransformersPolicy(model, tokenizer, dtype=dtype)) != kept
+
+
 @pytest.mark.parametrize(("dtype", "bound"), [("float32", FP32_GAP), ("bfloat16", 0.05)])
 def test_full_finetuning_sync_samples_from_the_updated_weights(tiny_model, tokenizer, dtype, bound):
     """Full fine-tuning: after an optimizer step the sampler follows the new weights
