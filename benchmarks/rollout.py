@@ -213,6 +213,13 @@ def main() -> None:
         "of a training run meet partly new shapes",
     )
     args = parser.parse_args()
+    if args.passes < 1:
+        parser.error(f"--passes must be >= 1, got {args.passes}")
+    if args.fresh_episodes and args.passes < 2:
+        parser.error(
+            f"--fresh-episodes needs --passes 2 or more, got {args.passes} (one pass is the "
+            "plain run)"
+        )
     if args.rag_retriever != "hybrid":
         SCENARIOS["rag"]["env"][1]["retriever"] = args.rag_retriever
 
