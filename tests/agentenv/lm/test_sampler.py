@@ -624,3 +624,86 @@ def test_the_running_batch_keeps_no_autograd_graph(tiny_model, tokenizer):
     assert [key for key, _ in ended] == [0] and decoder.live == 2
     assert not decoder._logits.requires_grad
     assert not any(layer.keys.requires_grad for layer in decoder._cache.layers)
+
+
+def test_length_groups_pad_the_fewest_slots():
+    """Hand-computed cases, then every small case against all groupings into runs of the
+    rows sorted by length (the only candidates: any other grouping pads at least as much)."""
+    import itertools
+    import random
+
+    from agentenv.lm.sampler import length_groups
+
+    # 6 x 250 + 14 x 50 = 2,200 slots + 256 for the second call, vs 20 x 250 = 5,000
+    assert length_groups([250] * 6 + [50] * 14) == [list(range(6)), list(range(6, 20))]
+    assert length_groups([100, 98, 97, 95]) == [[0, 1, 2, 3]]  # 400 slots: one call
+    assert length_groups([50, 250, 49, 251]) == [[1, 3], [0, 2]]  # longest first
+    assert length_groups([7]) == [[0]]
+    # [300, 5]: 600 slots in one call, 305 + call_slots in two
+    assert length_groups([300, 5], call_slots=294) == [[0], [1]]  # saves 1 slot
+    assert length_groups([300, 5], call_slots=295) == [[0, 1]]  # saves none: one call
+
+    def cost(groups, lengths, call_slots):
+        return sum(len(g) * max(lengths[i] for i in g) for g in groups) + call_slots * (
+            len(groups) - 1
+        )
+
+    rng = random.Random(0)
+    for _ in range(300):
+        lengths = [rng.choice([rng.randint(1, 20), rng.randint(100, 300)]) for _ in range(7)]
+        call_slots = rng.choice([0, 16, 256])
+        groups = length_groups(lengths, call_slots)
+        assert sorted(i for g in groups for i in g) == list(range(7))
+        order = sorted(range(7), key=lambda i: -lengths[i])
+        least = min(
+            cost([order[a:b] for a, b in itertools.pairwise((0, *cuts, 7))], lengths, call_slots)
+            for k in range(7)
+            for cuts in itertools.combinations(range(1, 7), k)
+        )
+        assert cost(groups, lengths, call_slots) == least
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_continued_rows_prefilled_in_length_groups_decode_as_in_one_batch(
+    sharp_model, tokenizer, dtype, monkeypatch
+):
+    """Env replies of ~300 tokens and of a few side by side: the prefill runs in two
+    groups (fewer padded slots), merged into one batch; each row gets the tokens and
+    log-probs of the one-batch prefill (float32 to 1e-5) and of a fresh prefill of its
+    whole prompt, and the same tokens count as read."""
+    from agentenv.lm import sampler
+
+    calls = []
+    real = sampler.length_groups
+    monkeypatch.setattr(sampler, "length_groups", lambda n: calls.append(real(n)) or calls[-1])
+    ps = prompts(tokenizer)
+    long_reply = tokenizer.encode(" the search found this passage about calculators." * 30)
+    short_reply = tokenizer.encode(" Error: try again.")
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, stop_strings=[])
+    got = {}
+    for split in (True, False):
+        policy = TransformersPolicy(sharp_model, tokenizer, dtype=dtype, split_prefill=split)
+        first = policy.generate(ps, sampling, seeds=[1, 2, 3])
+        replies = [short_reply, long_reply, short_reply[:-1]]
+        turn2 = [p + g.token_ids + r for p, g, r in zip(ps, first, replies, strict=True)]
+        read = policy.prefill_tokens
+        got[split] = (turn2, policy.generate(turn2, sampling, seeds=[4, 5, 6]))
+        got[split] += (policy.prefill_tokens - read,)
+    assert calls == [[[1], [0, 2]]]  # split once (turn 2, first policy): rows reordered
+    (turn2, split, read), (turn2_one, one, read_one) = got[True], got[False]
+    # each row reads its last sampled token (not in its saved cache) and its env reply
+    assert turn2 == turn2_one and read == read_one == sum(len(r) + 1 for r in replies)
+    fresh = TransformersPolicy(sharp_model, tokenizer, dtype=dtype, reuse_cache=False)
+    alone = [
+        fresh.generate([p], sampling, seeds=[s])[0] for p, s in zip(turn2, [4, 5, 6], strict=True)
+    ]
+    atol = 1e-5 if dtype == "float32" else 0.05  # bf16: batched kernels round apart
+    for a, b, c in zip(split, one, alone, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        for other in (b, c):
+            torch.testing.assert_close(
+                torch.tensor(a.sampler_logprobs),
+                torch.tensor(other.sampler_logprobs),
+                atol=atol,
+                rtol=0,
+            )
