@@ -18,6 +18,10 @@ model's forward pass instead of ``model.generate``, because that lets it:
   its last turn plus the environment's reply) starts from it, so only the new tokens are
   prefilled. Rows sit right-aligned after a masked gap (``[cached][pad...][new]``);
   positions come from the attention mask, so every row sees exactly its own tokens.
+  On a CPU, continued rows whose new tokens differ much in length (a 250-token search
+  result beside a 20-token tool error) are prefilled in groups of similar length and
+  merged into one batch (:func:`length_groups`): padding the short rows to the longest
+  would compute slots for nothing.
 * **stop on strings** (``</tool_call>``, ``</answer>``: the env ignores the rest of a turn)
   as well as on stop tokens. The recorded tokens are exactly those sampled, up to and
   including the one that completed the stop string.
