@@ -339,9 +339,9 @@ class TransformersPolicy:
         ]
 
 
-# What one more prefill call and the merge of its rows cost, in token slots of a prefill
-# (SmolLM2, 2-core CPU: a slot ~1 ms in bf16; a call's fixed cost and a 20-row merge of
-# ~400 cached tokens each ~0.1 s): a group is split off only when it saves more than this.
+# What one more prefill call and the merge of its rows are counted as, in token slots of a
+# prefill: a group is split off only when it saves more. Not tuned: about a quarter of a
+# second of SmolLM2 in bf16 on a 2-core CPU, where a 20-row prefill costs ~1 ms a slot.
 PREFILL_CALL_SLOTS = 256
 
 
