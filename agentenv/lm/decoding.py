@@ -233,10 +233,13 @@ def plain_layers(cache: Any) -> bool:
 
 
 def merge_caches(
-    model: torch.nn.Module, parts: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]]
+    model: torch.nn.Module,
+    parts: Sequence[tuple[Any, torch.Tensor, torch.Tensor | None]],
+    order: Sequence[int] | None = None,
 ) -> tuple[Any, torch.Tensor]:
     """One batch from several ``(cache, mask (rows, slots), rows to keep or None)``
-    batches, rows in order.
+    batches: the parts' rows in turn, or ``order[j]``-th of them as row ``j`` (a row may
+    be taken more than once).
 
     Each part's leading slots that no row uses are dropped; the narrower parts get a masked
     gap on the left, so every row stays right-aligned (its positions come from its mask).
@@ -250,7 +253,24 @@ def merge_caches(
         first = int(used[0]) if len(used) else mask.shape[1]
         trimmed.append((cache, mask[:, first:], first, index))
     width = max(m.shape[1] for _, m, _, _ in trimmed)
-    rows = sum(m.shape[0] for _, m, _, _ in trimmed)
+    total = sum(m.shape[0] for _, m, _, _ in trimmed)
+    order = list(range(total)) if order is None else list(order)
+    rows = len(order)
+    # per part: which of its rows (None: all, in turn) go to which merged rows (a slice
+    # for a run of them), or None when the part gives no row
+    plans: list[tuple[torch.Tensor | None, slice | torch.Tensor] | None] = []
+    start = 0
+    for _, m, _, _ in trimmed:
+        n = m.shape[0]
+        fill = [(j, src - start) for j, src in enumerate(order) if start <= src < start + n]
+        start += n
+        if not fill:
+            plans.append(None)
+            continue
+        dest, src = [j for j, _ in fill], [k for _, k in fill]
+        picked = None if src == list(range(n)) else torch.tensor(src)  # some left or twice
+        run = dest == list(range(dest[0], dest[0] + len(dest)))
+        plans.append((picked, slice(dest[0], dest[0] + len(dest)) if run else torch.tensor(dest)))
     merged = append_cache(model)
     if merged is None:
         from transformers import DynamicCache
@@ -262,21 +282,25 @@ def merge_caches(
         spare = AppendCacheLayer.SPARE if appends else 0
         shape = (rows, sample.shape[1], width + spare, sample.shape[-1])
         keys, values = sample.new_zeros(shape), sample.new_zeros(shape)
-        r = 0
-        for cache, mask, first, index in trimmed:
-            layer, n, w = cache.layers[i], mask.shape[0], mask.shape[1]
+        for (cache, mask, first, index), plan in zip(trimmed, plans, strict=True):
+            if plan is None:
+                continue
+            layer, w = cache.layers[i], mask.shape[1]
             k, v = layer.keys[:, :, first:], layer.values[:, :, first:]
             if index is not None:
                 k, v = k[index.to(k.device)], v[index.to(v.device)]
-            keys[r : r + n, :, width - w : width] = k
-            values[r : r + n, :, width - w : width] = v
-            r += n
+            picked, at = plan
+            if picked is not None:
+                k, v = k[picked.to(k.device)], v[picked.to(v.device)]
+            at = at if isinstance(at, slice) else at.to(k.device)
+            keys[at, :, width - w : width] = k
+            values[at, :, width - w : width] = v
         if spare:
             merged.layers[i].adopt(keys, values, width)
         else:
             merged.update(keys, values, i)
-    mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, m, _, _ in trimmed])
-    return merged, mask
+    masks = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, m, _, _ in trimmed])
+    return merged, masks[order]
 
 
 def _warpers(sampling: SamplingConfig) -> list[Any]:

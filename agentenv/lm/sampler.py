@@ -266,7 +266,11 @@ class TransformersPolicy:
         rest = [list(p[k:]) for p, k in zip(firsts, done, strict=True)]
         if len(groups) == 1:
             cache, mask, logits, next_pos = self._forward_rest(cache, mask, rest)
-        else:  # each group with its own saved caches, then one batch, groups in turn
+            if u < len(prompts):  # copies of a prompt share one prefill
+                rows = torch.tensor(index)
+                cache.batch_select_indices(rows.to(dev))
+                logits, mask, next_pos = logits[rows.to(dev)], mask[rows], next_pos[rows]
+        else:  # each group from its own saved caches, then one batch in the prompts' order
             parts = [
                 self._forward_rest(
                     *_cache_from([reused[i] for i in g], append_cache(model)),
@@ -274,15 +278,13 @@ class TransformersPolicy:
                 )
                 for g in groups
             ]
-            cache, mask = merge_caches(model, [(c, m, None) for c, m, _, _ in parts])
-            logits = torch.cat([part[2] for part in parts])
-            next_pos = torch.cat([part[3] for part in parts])
             row_of = {i: j for j, i in enumerate(i for g in groups for i in g)}
-            index = [row_of[i] for i in index]  # prompt -> its row in the merged batch
-        if index != list(range(len(index))):  # copies of a prompt share one prefill
-            rows = torch.tensor(index)
-            cache.batch_select_indices(rows.to(dev))
-            logits, mask, next_pos = logits[rows.to(logits.device)], mask[rows], next_pos[rows]
+            rows = torch.tensor([row_of[i] for i in index])  # prompt -> its groups' row
+            cache, mask = merge_caches(
+                model, [(c, m, None) for c, m, _, _ in parts], order=rows.tolist()
+            )
+            logits = torch.cat([part[2] for part in parts])[rows.to(dev)]
+            next_pos = torch.cat([part[3] for part in parts])[rows]
         if dev.type == "cuda":  # the kernels finished, so the time is theirs
             torch.cuda.synchronize(dev)
         self.prefill_s += time.perf_counter() - start
