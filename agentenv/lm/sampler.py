@@ -229,7 +229,9 @@ class TransformersPolicy:
         next turn) continues from that sequence's saved KV cache; otherwise the prefix
         common to all prompts runs once. Each row's tokens sit right-aligned after a masked
         gap, with positions counted by the mask, so every row sees exactly its own prompt.
-        Saved caches this call does not continue are dropped unless ``keep_saved``.
+        With ``split_prefill``, continued rows run in groups of similar new lengths
+        (:func:`length_groups`) merged into one batch afterwards. Saved caches this call
+        does not continue are dropped unless ``keep_saved``.
         """
         start, model, dev = time.perf_counter(), self.model, self.device
         unique: dict[tuple[int, ...], int] = {}
