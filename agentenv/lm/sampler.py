@@ -281,12 +281,10 @@ class TransformersPolicy:
                 for g in groups
             ]
             row_of = {i: j for j, i in enumerate(i for g in groups for i in g)}
-            rows = torch.tensor([row_of[i] for i in index])  # prompt -> its groups' row
-            cache, mask = merge_caches(
-                model, [(c, m, None) for c, m, _, _ in parts], order=rows.tolist()
-            )
-            logits = torch.cat([part[2] for part in parts])[rows.to(dev)]
-            next_pos = torch.cat([part[3] for part in parts])[rows]
+            order = [row_of[i] for i in index]  # prompt -> its row among the groups' rows
+            cache, mask = merge_caches(model, [(c, m, None) for c, m, _, _ in parts], order)
+            logits = torch.cat([part[2] for part in parts])[torch.tensor(order, device=dev)]
+            next_pos = torch.cat([part[3] for part in parts])[order]
         if dev.type == "cuda":  # the kernels finished, so the time is theirs
             torch.cuda.synchronize(dev)
         self.prefill_s += time.perf_counter() - start
