@@ -25,6 +25,8 @@ _LAZY = {
     "EpisodeLike": "algorithms.batching",
     "MicroBatch": "algorithms.batching",
     "pack_micro_batches": "algorithms.batching",
+    "pack_prefix_trees": "algorithms.batching",
+    "PrefixTree": "algorithms.prefix_tree",
     "forward_logprobs": "algorithms.logprobs",
     "selective_log_softmax": "algorithms.logprobs",
     "token_logprobs": "algorithms.logprobs",

@@ -1,13 +1,14 @@
 """Episodes into micro-batches, shared by GRPO and SFT.
 
 An episode (:class:`EpisodeLike`) becomes right-padded tensors (:class:`MicroBatch`);
-:func:`pack_micro_batches` groups episodes so each forward/backward stays within a token
-budget, counting a GRPO group's shared prompt once.
+:func:`pack_micro_batches` (SFT) and :func:`pack_prefix_trees` (GRPO, whose forward runs a
+micro-batch's shared prefixes once) group episodes so each forward/backward stays within a
+token budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,35 +60,56 @@ class MicroBatch:
         )
 
 
-def pack_micro_batches(
-    lengths: Sequence[int],
-    token_budget: int,
-    shared: Sequence[tuple[int, int]] | None = None,
-) -> list[list[int]]:
-    """Group indices, longest first, while a micro-batch's cost stays within ``token_budget``.
-
-    Without ``shared`` the cost is ``len(batch) * longest``. With ``shared[i] = (key,
-    prefix)``, sequences with the same key begin with the same ``prefix`` tokens (a GRPO
-    group's prompt); only they are packed together, and the prefix is counted once:
-    ``prefix + len(batch) * (longest - prefix)`` (it runs once, see
-    :func:`algorithms.logprobs.forward_logprobs`). A sequence over the budget gets a
-    micro-batch of its own.
-    """
-    keys = [(k, p) for k, p in shared] if shared is not None else [(0, 0)] * len(lengths)
-    order = sorted(range(len(lengths)), key=lambda i: (keys[i][0], -lengths[i], i))
+def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group indices, longest first, while a micro-batch's ``len(batch) * longest`` (its
+    padded rows) stays within ``token_budget``. A sequence over the budget gets a
+    micro-batch of its own (SFT's packing)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     for i in order:
-        key, prefix = keys[i]
         last = batches[-1] if batches else None
-        if (
-            last is not None
-            and keys[last[0]][0] == key
-            and prefix + (len(last) + 1) * (lengths[last[0]] - prefix) <= token_budget
-        ):
+        if last is not None and (len(last) + 1) * lengths[last[0]] <= token_budget:
             last.append(i)
         else:
             batches.append([i])
     return batches
+
+
+def pack_prefix_trees(rows: Sequence[Sequence[Hashable]], token_budget: int) -> list[list[int]]:
+    """Group indices of ``rows`` so that each micro-batch's prefix tree (the rows with
+    their shared prefixes counted once, :class:`~algorithms.prefix_tree.PrefixTree`: how
+    GRPO's forward runs them) holds at most ``token_budget`` tokens.
+
+    Rows are taken in sorted order, so those that share a prefix (a GRPO group's
+    episodes) sit side by side and share a micro-batch; a row costs its length less its
+    longest common prefix with an earlier row of the micro-batch (in sorted order, the
+    one just before it). A row over the budget gets a micro-batch of its own. Compare
+    ``(token, action mask)`` pairs, as the tree does, for its exact size.
+    """
+    keyed = [tuple(row) for row in rows]
+    batches: list[list[int]] = []
+    size, previous = 0, ()
+    for i in sorted(range(len(keyed)), key=lambda i: (keyed[i], i)):
+        row = keyed[i]
+        cost = len(row) - _common_prefix(row, previous)
+        if batches and size + cost <= token_budget:
+            batches[-1].append(i)
+            size += cost
+        else:
+            batches.append([i])
+            size = len(row)
+        previous = row
+    return batches
+
+
+def _common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def padding_micro_batch(pad_token_id: int, device: torch.device | str | None = None) -> MicroBatch:
@@ -107,8 +129,3 @@ class _Padding:
     action_mask: list[int]
     sampler_logprobs: list[float]
     reward: float
-
-
-def prompt_length(action_mask: Sequence[int]) -> int:
-    """Tokens before the first policy token (the episode's prompt)."""
-    return next((t for t, m in enumerate(action_mask) if m), len(action_mask))

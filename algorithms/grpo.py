@@ -71,9 +71,8 @@ from agentenv.lm.precision import autocast
 from algorithms.batching import (
     EpisodeLike,
     MicroBatch,
-    pack_micro_batches,
+    pack_prefix_trees,
     padding_micro_batch,
-    prompt_length,
 )
 from algorithms.config import (
     GRPO_MICRO_BATCH_TOKENS,
@@ -261,7 +260,7 @@ class GRPO(Trainer):
             for i in range(len(episodes))
             if valid.view(-1)[i] and (cfg.beta > 0 or not group_baseline or not zero_std[i // g])
         ]
-        batches, totals, rows = self._micro_batches(episodes, keep, g)
+        batches, totals, rows = self._micro_batches(episodes, keep)
         kl_stats: dict[str, float] = {}
         if cfg.beta > 0 and cfg.kl_placement == "reward":
             penalty, kl_stats = self._kl_penalty(batches, rows, len(episodes))
@@ -337,7 +336,7 @@ class GRPO(Trainer):
         }
 
     def _micro_batches(
-        self, episodes: list[EpisodeLike], keep: list[int], g: int
+        self, episodes: list[EpisodeLike], keep: list[int]
     ) -> tuple[list[MicroBatch], dict[str, float], list[list[int]]]:
         """Pack the kept episodes by token budget; whole-batch normalisers over processes.
 
@@ -350,11 +349,9 @@ class GRPO(Trainer):
         length = (
             cfg.max_completion_length or self._global([max(policy_counts, default=0)], "max")[0]
         )
-        prompts = [  # a group's episodes share their prompt: pack them together
-            (i // g, prompt_length(episodes[i].action_mask)) for i in keep
-        ]
-        packs = pack_micro_batches(
-            [len(episodes[i].input_ids) for i in keep], self.micro_batch_tokens, prompts
+        packs = pack_prefix_trees(  # as the forward runs them: shared prefixes once
+            [list(zip(episodes[i].input_ids, episodes[i].action_mask, strict=True)) for i in keep],
+            self.micro_batch_tokens,
         )
         rows = [[keep[j] for j in pack] for pack in packs]
         batches = [

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from agentenv.lm.attention import cached_forward
+from algorithms.prefix_tree import PrefixTree
 
 CHUNK_TOKENS = 256  # LM-head positions per chunk: 256 x 49152 float32 logits = 50 MB (measured
 # on a 2-core CPU: 256 is as fast as 1024 and 0.3 GB leaner in a GRPO step)
@@ -169,49 +169,51 @@ class _HeadLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
-MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a second forward call
+def _head_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``(P,)`` of ``targets`` ``(P,)`` from the last hidden states
+    ``hidden`` ``(P, H)`` through the LM ``head``, ``chunk_tokens`` positions at a time."""
+    parts = []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        args = (hidden[s : s + chunk_tokens], head.weight, head.bias, targets[s : s + chunk_tokens])
+        if entropy_grad and torch.is_grad_enabled():  # an entropy bonus: autograd, keeping
+            parts.append(  # only the hidden chunk (the logits are recomputed later)
+                checkpoint(
+                    _chunk_logprobs, *args, temperature, with_entropy, True, use_reentrant=False
+                )
+            )
+        else:  # one fused softmax pass (no graph kept under no_grad)
+            parts.append(_HeadLogprobs.apply(*args, temperature, with_entropy))
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _forward(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    keep: int,
-    max_prefix: int,
-) -> torch.Tensor:
-    """``model(...).logits`` of the last ``keep`` positions, prefilling a shared prefix once.
-
-    The prefix (at most ``max_prefix`` tokens, common to every row and unpadded) runs
-    with batch 1 through the model *without* its distributed wrapper, so a DDP model sees
-    one forward per backward; its KV cache is repeated to every row and the rest of the
-    rows runs through ``model`` itself with explicit positions.
-    """
-    n, t = input_ids.shape
-    prefix = 0
-    if n > 1 and max_prefix >= MIN_SHARED_PREFIX:
-        same = (input_ids[:, :max_prefix] == input_ids[:1, :max_prefix]).all(0)
-        same &= attention_mask[:, :max_prefix].all(0).bool()
-        prefix = int(same.long().cumprod(0).sum())  # length of the common run from 0
-    cache = None
-    if prefix >= MIN_SHARED_PREFIX and keep <= t - prefix:
-        _, cache = cached_forward(  # None under gradient checkpointing: rows run in full
-            _undistributed(model), None, input_ids=input_ids[:1, :prefix], logits_to_keep=1
-        )
-    if cache is None:
-        return model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
-        ).logits
-    cache.batch_repeat_interleave(n)
-    positions = torch.arange(prefix, t, device=input_ids.device).expand(n, -1)
-    logits, _ = cached_forward(
-        model,
-        cache,
-        input_ids=input_ids[:, prefix:],
-        attention_mask=attention_mask,
-        position_ids=positions,
-        logits_to_keep=keep,
-    )
-    return logits
+def _logits_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_head_logprobs` for a model's own logits ``(P, V)`` (a head we do not bypass)."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = selective_log_softmax(logits[None], targets[None])[0]  # (P,)
+    entropy = torch.zeros_like(logp)
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            logprobs = logits.float().log_softmax(-1)  # (P, V)
+            entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return logp, entropy
 
 
 def forward_logprobs(
@@ -234,73 +236,71 @@ def forward_logprobs(
     it). Differentiable unless called under ``no_grad``; the entropy only with
     ``entropy_grad`` (an entropy bonus), from the same logits chunks (no second forward).
 
-    With ``share_prefix``, tokens that every row has in common before the first scored
-    position (a GRPO group's prompt, or at least the system prompt) run through the model
-    once, and the rows continue from that prefix's KV cache: the same values to float
-    rounding, the same gradients (they flow back through the cache), a fraction of the work.
+    With ``share_prefix``, the rows run as their :class:`~algorithms.prefix_tree.PrefixTree`:
+    a token that several rows have after the same prefix (a GRPO group's prompt, and
+    whatever its episodes have in common after it) runs through the model once, as one
+    sequence with a tree attention mask, and each row reads its log-probs from the tree's
+    nodes: the same values to float rounding, the same gradients (a shared node's
+    gradient is the sum of its rows'), a fraction of the work. Without it the rows run
+    side by side, each in full.
     """
     n, t = input_ids.shape
-    start = 1
-    if action_mask is not None and action_mask.any():
-        start = max(1, int(action_mask.any(dim=0).float().argmax()))  # first scored token
-    keep = t - start + 1  # positions start-1 .. T-1; the last predicts nothing
-    targets = input_ids[:, start:]  # (N, T-start)
-    # scored positions: policy tokens when there is an action mask (environment tokens in
-    # between need no logits), else every real token
-    scored = (action_mask if action_mask is not None else attention_mask)[:, start:].bool()
     head = _plain_head(model)
-
-    def run(m: torch.nn.Module) -> torch.Tensor:
-        return _forward(m, input_ids, attention_mask, keep, start - 1 if share_prefix else 0)
-
+    if share_prefix:
+        tree = PrefixTree.from_rows(input_ids, attention_mask, action_mask)
+        scored = tree.scored.nonzero().squeeze(-1)  # (P,) nodes to score
+        targets, inputs = tree.tokens[scored], tree.parents[scored]  # (P,): token, its input
+        kwargs = {
+            "input_ids": tree.tokens[None],  # (1, L)
+            "attention_mask": tree.attention_mask(),  # (1, 1, L, L)
+            "position_ids": tree.positions[None],  # (1, L)
+        }
+    else:
+        start = 1
+        if action_mask is not None and action_mask.any():
+            start = max(1, int(action_mask.any(dim=0).float().argmax()))  # first scored token
+        # scored positions: policy tokens when there is an action mask (environment tokens
+        # in between need no logits), else every real token
+        mask = (action_mask if action_mask is not None else attention_mask)[:, start:].bool()
+        scored_rows = F.pad(mask, (start, 0))  # (N, T)
+        targets = input_ids[scored_rows]  # (P,)
+        kwargs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "logits_to_keep": t - start + 1,  # positions start-1 .. T-1
+        }
     if head is None:
-        logits = run(model)[:, :-1]  # (N, T-start, V)
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = selective_log_softmax(logits, targets).masked_fill(~scored, 0.0)
-        entropy = None
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                logprobs = [torch.log_softmax(row.float(), -1) for row in logits]
-                entropy = torch.stack([-(lp.exp() * lp).sum(-1) for lp in logprobs])
-                entropy = entropy.masked_fill(~scored, 0.0)
+        out = model(**kwargs, use_cache=False).logits
     else:
         name, linear = head
         with _hidden_states_out(model, name):
-            hidden = run(model)[:, :-1]  # (N, T-start, H)
-        rows_h, rows_t = hidden[scored], targets[scored]  # (P, H), (P,)
-        parts = []
-        for s in range(0, rows_h.shape[0], chunk_tokens):
-            args = (
-                rows_h[s : s + chunk_tokens],
-                linear.weight,
-                linear.bias,
-                rows_t[s : s + chunk_tokens],
-            )
-            if entropy_grad and torch.is_grad_enabled():  # an entropy bonus: autograd,
-                parts.append(  # keeping only the hidden chunk (logits recomputed later)
-                    checkpoint(
-                        _chunk_logprobs,
-                        *args,
-                        temperature,
-                        with_entropy,
-                        entropy_grad,
-                        use_reentrant=False,
-                    )
-                )
-            else:  # one fused softmax pass (no graph kept under no_grad)
-                parts.append(_HeadLogprobs.apply(*args, temperature, with_entropy))
-        zeros = hidden.new_zeros(scored.shape, dtype=torch.float32)  # (N, T-start)
-        if parts:
-            logp = zeros.masked_scatter(scored, torch.cat([p[0] for p in parts]))
-            entropy = zeros.masked_scatter(scored, torch.cat([p[1] for p in parts]))
-        else:  # nothing scored (a padding micro-batch): zeros that still reach every
-            logp = entropy = (hidden[..., 0] * 0.0).float()  # weight, so DDP's backward runs
-        entropy = entropy if with_entropy else None
-    logp = F.pad(logp, (start, 0)).masked_fill(attention_mask == 0, 0.0)  # (N, T)
-    if entropy is not None:
-        entropy = F.pad(entropy if entropy_grad else entropy.detach(), (start, 0))  # (N, T)
-    return logp, entropy
+            out = model(**kwargs, use_cache=False).logits  # the last hidden states
+    if share_prefix:
+        selected = out[0, inputs]  # (P, H or V): at each scored node's parent
+    else:
+        selected = out[:, :-1][mask]  # (P, H or V): at the position before each scored one
+    if head is None:
+        logp, entropy = _logits_logprobs(selected, targets, temperature, with_entropy, entropy_grad)
+    else:
+        logp, entropy = _head_logprobs(
+            selected, linear, targets, temperature, with_entropy, entropy_grad, chunk_tokens
+        )
+    if share_prefix:  # each row reads its nodes; nodes not scored read 0
+        nodes = out.new_zeros(len(tree) + 1, dtype=torch.float32)  # (L + 1,): the last is 0
+        where = tree.node_of.masked_fill(tree.node_of < 0, len(tree))  # (N, T); padding: L
+        logp_rows = nodes.index_put((scored,), logp)[where]
+        entropy_rows = nodes.index_put((scored,), entropy if entropy_grad else entropy.detach())[
+            where
+        ]
+    else:
+        zeros = out.new_zeros((n, t), dtype=torch.float32)
+        logp_rows = zeros.masked_scatter(scored_rows, logp)
+        entropy_rows = zeros.masked_scatter(
+            scored_rows, entropy if entropy_grad else entropy.detach()
+        )
+    if not len(targets):  # nothing scored (a padding micro-batch): zeros that still reach
+        logp_rows = logp_rows + out.float().sum() * 0.0  # every weight, so DDP's backward runs
+    return logp_rows, entropy_rows if with_entropy else None
 
 
 def token_logprobs(

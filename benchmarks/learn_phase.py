@@ -18,7 +18,7 @@ warm-up) and peak RSS, then one learn under torch's profiler (CPU only), its ope
 own time split into
 
 * **linear layers**: the model's frozen projections (forward and input gradients; a
-  group's shared prompt runs once per micro-batch),
+  group's shared prompt runs once per micro-batch: random contents share nothing more),
 * **LoRA**: the adapters' rank-r matmuls (any matmul with a dimension equal to r),
 * **LM head**: on the policy tokens only,
 * **attention matmuls** (scores and outputs; or the fused kernel, whose GFLOP are not
@@ -198,7 +198,7 @@ def main() -> None:
     from agentenv.lm import models
     from agentenv.lm.precision import training_dtype
     from algorithms import GRPO, GRPOConfig
-    from algorithms.batching import pack_micro_batches
+    from algorithms.batching import pack_prefix_trees
 
     torch.manual_seed(args.seed)
     compute = agentenv.resolve_dtype(args.dtype, args.device)
@@ -237,10 +237,9 @@ def main() -> None:
             start = time.perf_counter()
             algo.learn(batch)
             times.append(time.perf_counter() - start)
-        packs = pack_micro_batches(  # as GRPO packs them: a group's prompt counted once
-            [episode] * args.groups * args.group_size,
+        packs = pack_prefix_trees(  # as GRPO packs them: a group's prompt counted once
+            [list(zip(ep.input_ids, ep.action_mask, strict=True)) for g in batch for ep in g],
             algo.micro_batch_tokens,
-            [(i // args.group_size, args.prompt) for i in range(args.groups * args.group_size)],
         )
         rows = min(len(packs[0]) * (episode - args.prompt), 4096)  # after the shared prompt
         plain = plain_matmul_gflops(rows, c.hidden_size, c.intermediate_size, compute, args.device)

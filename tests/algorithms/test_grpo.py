@@ -10,11 +10,12 @@ import torch
 from toy_episodes import SAMPLING, Ep, make_groups
 
 from agentenv.errors import InvalidOptionError
-from algorithms.batching import MicroBatch, pack_micro_batches
+from algorithms.batching import MicroBatch, pack_micro_batches, pack_prefix_trees
 from algorithms.config import GRPO_MICRO_BATCH_TOKENS, GRPOConfig, SFTConfig
 from algorithms.grpo import GRPO
 from algorithms.logprobs import selective_log_softmax, token_logprobs
 from algorithms.losses import compute_advantages, kl_estimate, policy_loss
+from algorithms.prefix_tree import PrefixTree
 
 LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 METRIC_KEYS = {
@@ -528,13 +529,28 @@ def test_pack_micro_batches_respects_the_token_budget():
         assert len(pack) * max(lengths[i] for i in pack) <= 60
 
 
-def test_pack_micro_batches_counts_a_shared_prompt_once():
-    lengths = [50, 45, 48, 60, 30]  # two groups: prompts of 40 and 20 tokens
-    shared = [(0, 40), (0, 40), (0, 40), (1, 20), (1, 20)]
-    packs = pack_micro_batches(lengths, token_budget=70, shared=shared)
-    # group 0: 40 + 3 x 10 = 70 fits; group 1: 20 + 2 x 40 = 100 does not
-    assert packs == [[0, 2, 1], [3], [4]]
-    assert pack_micro_batches(lengths, token_budget=70) == [[3], [0], [2], [1], [4]]
+def test_pack_prefix_trees_counts_shared_prefixes_once():
+    rows = [
+        [1, 2, 3, 4, 5],  # 0
+        [1, 2, 3, 9],  # 1: shares 1 2 3 with row 0
+        [7, 8],  # 2: its own
+        [1, 2, 3, 4, 6, 6],  # 3: shares 1 2 3 4 with row 0
+        [7, 8, 9],  # 4: shares 7 8 with row 2
+    ]
+    # sorted: 0, 3, 1, 4 ... as [1 2 3 4 5] [1 2 3 4 6 6] [1 2 3 9] [7 8] [7 8 9]
+    # costs: 5, 6 - 4 = 2, 4 - 3 = 1, 2 (nothing in common with row 1), 3 - 2 = 1
+    assert pack_prefix_trees(rows, token_budget=11) == [[0, 3, 1, 2, 4]]
+    assert pack_prefix_trees(rows, token_budget=8) == [[0, 3, 1], [2, 4]]
+    assert pack_prefix_trees(rows, token_budget=7) == [[0, 3], [1, 2, 4]]  # 4 + 2 + 1
+    assert pack_prefix_trees(rows, token_budget=3) == [[0], [3], [1], [2, 4]]  # over: alone
+    tree = PrefixTree.from_rows(*_padded([rows[i] for i in (0, 3, 1, 2, 4)]))
+    assert len(tree) == 11  # the sizes the packer counts are the tree's
+
+
+def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    t = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (t - len(r)) for r in rows])
+    return ids, torch.tensor([[1] * len(r) + [0] * (t - len(r)) for r in rows])
 
 
 def test_collate_right_pads():

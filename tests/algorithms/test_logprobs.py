@@ -103,3 +103,92 @@ def test_shared_prefix_under_bf16_autocast_is_close(tiny_model, tokenizer):
         a, _ = forward_logprobs(tiny_model, ids, attn, action_mask=action, share_prefix=True)
         b, _ = forward_logprobs(tiny_model, ids, attn, action_mask=action, share_prefix=False)
     assert ((a - b).abs() * action).max() < 0.05
+
+
+def branching_batch(tokenizer, seed=1):
+    """Rows that share more than the prompt: two write the same first turn and get the
+    same reply, then part (one policy token differs); a third parts after one token."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(100, 5000, (n,), generator=g).tolist()
+
+    prompt, turn, reply = rand(30), rand(6), rand(9)
+    rows = [
+        (prompt + turn + reply + rand(5), [0] * 30 + [1] * 6 + [0] * 9 + [1] * 5),
+        (prompt + turn + reply + rand(8), [0] * 30 + [1] * 6 + [0] * 9 + [1] * 8),
+        (prompt + turn[:1] + rand(4), [0] * 30 + [1] * 5),
+    ]
+    t = max(len(ids) for ids, _ in rows)
+    ids = torch.full((3, t), tokenizer.pad_token_id)
+    attn = torch.zeros((3, t), dtype=torch.long)
+    action = torch.zeros((3, t))
+    for i, (row, mask) in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        attn[i, : len(row)] = 1
+        action[i, : len(row)] = torch.tensor(mask, dtype=torch.float)
+    return ids, attn, action
+
+
+@pytest.mark.parametrize("scored", ["policy", "all"])
+def test_rows_sharing_policy_and_env_tokens_match_a_plain_forward(tiny_model, tokenizer, scored):
+    from algorithms.prefix_tree import PrefixTree
+
+    ids, attn, action = branching_batch(tokenizer)
+    mask = action if scored == "policy" else None
+    weight = action if scored == "policy" else attn.float()
+    weight = weight.clone()
+    weight[:, 0] = 0  # position 0 is never scored
+    tree = PrefixTree.from_rows(ids, attn, mask)
+    # row 1 shares prompt + turn + reply (45 tokens) with row 0, row 2 the prompt + 1 (31)
+    assert len(tree) == int(attn.sum()) - 45 - 31
+    tiny_model.train()
+    params = [p for p in tiny_model.parameters() if p.requires_grad]
+    expected = reference(tiny_model, ids, attn, 0.7) * weight
+    # different weights per row: a shared node's gradient is the sum of its rows'
+    row_weights = torch.tensor([[1.0], [-2.0], [0.5]])
+    grads_expected = torch.autograd.grad((expected * row_weights).sum(), params)
+    logp, entropy = forward_logprobs(
+        tiny_model, ids, attn, 0.7, action_mask=mask, with_entropy=True
+    )
+    torch.testing.assert_close(logp, expected, atol=2e-5, rtol=0)
+    assert (logp[weight == 0] == 0).all() and (entropy[weight == 0] == 0).all()
+    grads = torch.autograd.grad((logp * row_weights).sum(), params)
+    for a, b in zip(grads, grads_expected, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_a_micro_batch_with_nothing_scored_still_reaches_every_weight(tiny_model, tokenizer):
+    """A padding micro-batch (no policy token) gives zeros whose backward gives every
+    trainable weight a zero gradient (DDP's backward needs them all)."""
+    ids, attn, action = batch(tokenizer)
+    tiny_model.train()
+    params = [p for p in tiny_model.parameters() if p.requires_grad]
+    logp, _ = forward_logprobs(tiny_model, ids, attn, action_mask=torch.zeros_like(action))
+    assert (logp == 0).all()
+    grads = torch.autograd.grad(logp.sum(), params)
+    assert all(g is not None and (g == 0).all() for g in grads)
+
+
+def test_a_head_that_is_not_bypassed_gives_the_same_values(tiny_model, tokenizer):
+    """A model whose head the forward cannot bypass (here: a logit soft-cap in its config,
+    which Llama does not apply) scores from the model's own logits, the tree included."""
+    from algorithms.logprobs import _plain_head
+
+    ids, attn, action = branching_batch(tokenizer)
+    tiny_model.config.final_logit_softcapping = 30.0
+    assert _plain_head(tiny_model) is None
+    expected = reference(tiny_model, ids, attn, 0.7) * action
+    with torch.no_grad():
+        for share in (True, False):
+            logp, entropy = forward_logprobs(
+                tiny_model,
+                ids,
+                attn,
+                0.7,
+                action_mask=action,
+                with_entropy=True,
+                share_prefix=share,
+            )
+            torch.testing.assert_close(logp, expected, atol=2e-5, rtol=0)
+            assert entropy.shape == ids.shape and (entropy[action == 0] == 0).all()

@@ -1,0 +1,99 @@
+"""Sequences that share prefixes, merged into one prefix tree that runs as one sequence.
+
+A GRPO group's episodes begin with the same prompt, and often go on alike: on RAG-v0 the
+policy often writes the same first search call, and the environment answers it with the
+same passages, before the episodes part. A forward over the rows side by side computes
+each shared token once per row. :class:`PrefixTree` keeps each distinct prefix once: one
+node per distinct ``(prefix, token)``, laid out as a single sequence in which each node
+attends to its ancestors and itself (a tree attention mask) at its position in its rows.
+Every node's hidden state is then the one each of its rows would give it (the same
+tokens before it at the same positions; equal to float rounding), and a row's log-probs
+are read from its nodes. On the RAG-v0 recipe's episodes a group's tree holds 3.8 times
+fewer tokens than its rows with only the prompt shared (the quickstart's: 2 times).
+
+Shapes: ``N`` rows of ``T`` tokens (right-padded), ``L`` nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefixTree:
+    """Rows merged where they share a prefix. Nodes are numbered so that a parent comes
+    before its children (a row's nodes increase along the row).
+
+    Attributes:
+        tokens: ``(L,)`` each node's token.
+        positions: ``(L,)`` its position in its rows (its depth in the tree).
+        parents: ``(L,)`` the node before it in its rows; -1 for a row's first token.
+        scored: ``(L,)`` whether its log-prob is wanted: a policy token (with an action
+            mask; the mask is part of a node's identity, so a policy token and an
+            environment token never share a node) or any token (without one); never a
+            first token, which no token predicts.
+        node_of: ``(N, T)`` the node of each row position; -1 at padding.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    parents: torch.Tensor
+    scored: torch.Tensor
+    node_of: torch.Tensor
+
+    @classmethod
+    def from_rows(
+        cls,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        action_mask: torch.Tensor | None = None,
+    ) -> PrefixTree:
+        """The tree of right-padded rows ``input_ids`` ``(N, T)`` (``attention_mask`` 1 on
+        real tokens); ``action_mask`` (``(N, T)``, 1 = policy token) marks the scored ones."""
+        n, t = input_ids.shape
+        ids, real = input_ids.tolist(), attention_mask.tolist()
+        marks = action_mask.tolist() if action_mask is not None else None
+        index: dict[tuple[int, int, int], int] = {}
+        tokens: list[int] = []
+        positions: list[int] = []
+        parents: list[int] = []
+        scored: list[bool] = []
+        node_of = [[-1] * t for _ in range(n)]
+        for r in range(n):
+            parent = -1
+            for j in range(t):
+                if not real[r][j]:
+                    break
+                mark = marks[r][j] if marks is not None else 1
+                key = (parent, ids[r][j], mark)
+                node = index.get(key)
+                if node is None:
+                    node = index[key] = len(tokens)
+                    tokens.append(ids[r][j])
+                    positions.append(j)
+                    parents.append(parent)
+                    scored.append(bool(mark) and parent >= 0)
+                node_of[r][j] = parent = node
+        device = input_ids.device
+        return cls(
+            tokens=torch.tensor(tokens, dtype=input_ids.dtype, device=device),
+            positions=torch.tensor(positions, device=device),
+            parents=torch.tensor(parents, device=device),
+            scored=torch.tensor(scored, dtype=torch.bool, device=device),
+            node_of=torch.tensor(node_of, device=device),
+        )
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def attention_mask(self) -> torch.Tensor:
+        """``(1, 1, L, L)`` boolean, True where node ``i`` attends node ``j``: ``j`` is
+        ``i`` or one of its ancestors (the tokens before ``i`` in each of its rows)."""
+        parents = self.parents.tolist()
+        mask = torch.eye(len(parents), dtype=torch.bool, device=self.tokens.device)
+        for i, parent in enumerate(parents):  # a parent's row is complete before its child's
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask[None, None]
