@@ -249,12 +249,9 @@ def forward_logprobs(
     if share_prefix:
         tree = PrefixTree.from_rows(input_ids, attention_mask, action_mask)
         scored = tree.scored.nonzero().squeeze(-1)  # (P,) nodes to score
-        targets, inputs = tree.tokens[scored], tree.parents[scored]  # (P,): token, its input
-        kwargs = {
-            "input_ids": tree.tokens[None],  # (1, L)
-            "attention_mask": tree.attention_mask(),  # (1, 1, L, L)
-            "position_ids": tree.positions[None],  # (1, L)
-        }
+        targets = tree.tokens[scored]  # (P,)
+        inputs = tree.flat_index(tree.parents[scored])  # (P,): where each one's parent sits
+        kwargs = tree.model_inputs()  # (R, W) tokens and positions, (R, 1, W, W) mask
     else:
         start = 1
         if action_mask is not None and action_mask.any():
@@ -276,7 +273,7 @@ def forward_logprobs(
         with _hidden_states_out(model, name):
             out = model(**kwargs, use_cache=False).logits  # the last hidden states
     if share_prefix:
-        selected = out[0, inputs]  # (P, H or V): at each scored node's parent
+        selected = out.flatten(0, 1)[inputs]  # (P, H or V): at each scored node's parent
     else:
         selected = out[:, :-1][mask]  # (P, H or V): at the position before each scored one
     if head is None:
