@@ -70,8 +70,9 @@ class TrainerConfig:
     )
     micro_batch_tokens: int | None = option(
         None,
-        "Tokens per forward/backward: sequences x padded length, a GRPO group's shared "
-        "prompt counted once. None: by the model's device, on a CPU GRPO "
+        "Tokens per forward/backward: GRPO's micro-batch as its prefix tree (a prefix its "
+        "episodes share counted once), SFT's sequences x padded length. None: by the "
+        "model's device, on a CPU GRPO "
         f"{GRPO_MICRO_BATCH_TOKENS['cpu']} / SFT {SFT_MICRO_BATCH_TOKENS['cpu']} (as fast "
         "as any, and a step stays near 3 GB), on a GPU "
         f"{GRPO_MICRO_BATCH_TOKENS['gpu']} (fewer, larger passes; raise it where memory "

@@ -7,10 +7,11 @@ head is applied to chunks of at most ``chunk_tokens`` positions, each chunk's
 ``log p(token)`` is taken in float32, and, when gradients are needed, the chunk's logits
 are recomputed in the backward pass (activation checkpointing of the head alone) instead of
 being kept. Only scored positions get logits at all: with an action mask, the policy's
-tokens (the shared prompt and the environment's tokens need none).
+tokens (the shared prompt and the environment's tokens need none). Rows that share
+prefixes run as their prefix tree (:mod:`algorithms.prefix_tree`), each shared token once.
 
 Models whose head is not a plain ``nn.Linear`` (a LoRA-adapted head, logit soft-capping
-or scaling) fall back to the model's own logits, still in chunks of sequences.
+or scaling) fall back to the model's own logits.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from agentenv.lm.attention import cached_forward
 from algorithms.prefix_tree import PrefixTree
 
 CHUNK_TOKENS = 256  # LM-head positions per chunk: 256 x 49152 float32 logits = 50 MB (measured
@@ -216,6 +218,60 @@ def _logits_logprobs(
     return logp, entropy
 
 
+MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a second forward call
+TREE_BELOW = 0.75  # run a prefix tree where it holds at most this share of the tokens
+# the rows' common prefix alone leaves (not tuned: rows that share only a prompt make a
+# tree of ~1.0, a RAG-v0 group's ~0.27, a quickstart group's ~0.5)
+
+
+def _common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, limit: int) -> int:
+    """Length of the run of tokens, at most ``limit``, that every row begins with
+    (unpadded); 0 if shorter than :data:`MIN_SHARED_PREFIX` or for one row."""
+    if input_ids.shape[0] < 2 or limit < MIN_SHARED_PREFIX:
+        return 0
+    same = (input_ids[:, :limit] == input_ids[:1, :limit]).all(0)
+    same &= attention_mask[:, :limit].all(0).bool()
+    prefix = int(same.long().cumprod(0).sum())
+    return prefix if prefix >= MIN_SHARED_PREFIX else 0
+
+
+def _forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keep: int,
+    prefix: int,
+) -> torch.Tensor:
+    """``model(...).logits`` of the last ``keep`` positions, the rows' common ``prefix``
+    (from :func:`_common_prefix`) prefilled once.
+
+    The prefix runs with batch 1 through the model *without* its distributed wrapper,
+    so a DDP model sees one forward per backward; its KV cache is repeated to every row
+    and the rest of the rows runs through ``model`` itself with explicit positions.
+    """
+    n, t = input_ids.shape
+    cache = None
+    if prefix and keep <= t - prefix:
+        _, cache = cached_forward(  # None under gradient checkpointing: rows run in full
+            _undistributed(model), None, input_ids=input_ids[:1, :prefix], logits_to_keep=1
+        )
+    if cache is None:
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
+        ).logits
+    cache.batch_repeat_interleave(n)
+    positions = torch.arange(prefix, t, device=input_ids.device).expand(n, -1)
+    logits, _ = cached_forward(
+        model,
+        cache,
+        input_ids=input_ids[:, prefix:],
+        attention_mask=attention_mask,
+        position_ids=positions,
+        logits_to_keep=keep,
+    )
+    return logits
+
+
 def forward_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -236,43 +292,53 @@ def forward_logprobs(
     it). Differentiable unless called under ``no_grad``; the entropy only with
     ``entropy_grad`` (an entropy bonus), from the same logits chunks (no second forward).
 
-    With ``share_prefix``, the rows run as their :class:`~algorithms.prefix_tree.PrefixTree`:
-    a token that several rows have after the same prefix (a GRPO group's prompt, and
-    whatever its episodes have in common after it) runs through the model once, as one
-    sequence with a tree attention mask, and each row reads its log-probs from the tree's
-    nodes: the same values to float rounding, the same gradients (a shared node's
-    gradient is the sum of its rows'), a fraction of the work. Without it the rows run
-    side by side, each in full.
+    With ``share_prefix``, what the rows have in common runs through the model once: the
+    same values to float rounding, the same gradients (a shared token's gradient is the
+    sum of its rows'), a fraction of the work. Where the rows share more than a common
+    prefix (a GRPO group whose episodes go on alike after their prompt), they run as their
+    :class:`~algorithms.prefix_tree.PrefixTree`: each distinct prefix once, as one
+    sequence per tree with a tree attention mask, each row reading its log-probs from the
+    tree's nodes. Otherwise (rows that share only their beginning, such as SFT's
+    demonstrations of different tasks) the tokens every row begins with, before the first
+    scored one, are prefilled once and the rows continue from that KV cache: the tree's
+    attention, over all of its nodes at once, would cost more than it saves there
+    (:data:`TREE_BELOW`). Without ``share_prefix`` the rows run side by side, each in full.
     """
     n, t = input_ids.shape
     head = _plain_head(model)
-    if share_prefix:
+    start = 1
+    if action_mask is not None and action_mask.any():
+        start = max(1, int(action_mask.any(dim=0).float().argmax()))  # first scored token
+    prefix = _common_prefix(input_ids, attention_mask, start - 1) if share_prefix else 0
+    tree = None
+    if share_prefix and n > 1:
         tree = PrefixTree.from_rows(input_ids, attention_mask, action_mask)
+        if len(tree) > TREE_BELOW * (int(attention_mask.sum()) - (n - 1) * prefix):
+            tree = None
+    if tree is not None:
         scored = tree.scored.nonzero().squeeze(-1)  # (P,) nodes to score
         targets = tree.tokens[scored]  # (P,)
         inputs = tree.flat_index(tree.parents[scored])  # (P,): where each one's parent sits
-        kwargs = tree.model_inputs()  # (R, W) tokens and positions, (R, 1, W, W) mask
+
+        def run(m: torch.nn.Module) -> torch.Tensor:  # (R, W, H or V)
+            return m(**tree.model_inputs(), use_cache=False).logits
     else:
-        start = 1
-        if action_mask is not None and action_mask.any():
-            start = max(1, int(action_mask.any(dim=0).float().argmax()))  # first scored token
         # scored positions: policy tokens when there is an action mask (environment tokens
         # in between need no logits), else every real token
         mask = (action_mask if action_mask is not None else attention_mask)[:, start:].bool()
         scored_rows = F.pad(mask, (start, 0))  # (N, T)
         targets = input_ids[scored_rows]  # (P,)
-        kwargs = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "logits_to_keep": t - start + 1,  # positions start-1 .. T-1
-        }
+
+        def run(m: torch.nn.Module) -> torch.Tensor:  # (N, T - start + 1, H or V)
+            return _forward(m, input_ids, attention_mask, t - start + 1, prefix)
+
     if head is None:
-        out = model(**kwargs, use_cache=False).logits
+        out = run(model)
     else:
         name, linear = head
         with _hidden_states_out(model, name):
-            out = model(**kwargs, use_cache=False).logits  # the last hidden states
-    if share_prefix:
+            out = run(model)  # the last hidden states
+    if tree is not None:
         selected = out.flatten(0, 1)[inputs]  # (P, H or V): at each scored node's parent
     else:
         selected = out[:, :-1][mask]  # (P, H or V): at the position before each scored one
@@ -282,19 +348,16 @@ def forward_logprobs(
         logp, entropy = _head_logprobs(
             selected, linear, targets, temperature, with_entropy, entropy_grad, chunk_tokens
         )
-    if share_prefix:  # each row reads its nodes; nodes not scored read 0
+    entropy = entropy if entropy_grad else entropy.detach()
+    if tree is not None:  # each row reads its nodes; nodes not scored read 0
         nodes = out.new_zeros(len(tree) + 1, dtype=torch.float32)  # (L + 1,): the last is 0
         where = tree.node_of.masked_fill(tree.node_of < 0, len(tree))  # (N, T); padding: L
         logp_rows = nodes.index_put((scored,), logp)[where]
-        entropy_rows = nodes.index_put((scored,), entropy if entropy_grad else entropy.detach())[
-            where
-        ]
+        entropy_rows = nodes.index_put((scored,), entropy)[where]
     else:
         zeros = out.new_zeros((n, t), dtype=torch.float32)
         logp_rows = zeros.masked_scatter(scored_rows, logp)
-        entropy_rows = zeros.masked_scatter(
-            scored_rows, entropy if entropy_grad else entropy.detach()
-        )
+        entropy_rows = zeros.masked_scatter(scored_rows, entropy)
     if not len(targets):  # nothing scored (a padding micro-batch): zeros that still reach
         logp_rows = logp_rows + out.float().sum() * 0.0  # every weight, so DDP's backward runs
     return logp_rows, entropy_rows if with_entropy else None

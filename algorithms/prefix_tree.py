@@ -1,4 +1,4 @@
-"""Sequences that share prefixes, merged into one prefix tree that runs as one sequence.
+"""Sequences that share prefixes, merged into prefix trees, each run as one sequence.
 
 A GRPO group's episodes begin with the same prompt, and often go on alike: on RAG-v0 the
 policy often writes the same first search call, and the environment answers it with the
@@ -6,11 +6,18 @@ same passages, before the episodes part. A forward over the rows side by side co
 each shared token once per row. :class:`PrefixTree` keeps each distinct prefix once: one
 node per distinct ``(prefix, token)``. Each tree (the rows that begin with the same
 token) runs as one sequence of a batch, in which each node attends to its ancestors and
-itself (a tree attention mask) at its position in its rows.
-Every node's hidden state is then the one each of its rows would give it (the same
-tokens before it at the same positions; equal to float rounding), and a row's log-probs
-are read from its nodes. On the RAG-v0 recipe's episodes a group's tree holds 3.8 times
-fewer tokens than its rows with only the prompt shared (the quickstart's: 2 times).
+itself (a tree attention mask) at its position in its rows. Every node's hidden state is
+then the one each of its rows would give it (the same tokens before it at the same
+positions; equal to float rounding), and a row's log-probs are read from its nodes. On
+the RAG-v0 recipe's episodes a group's tree holds 3.7 times fewer tokens than its rows
+with only the prompt shared (the quickstart's: 2 times).
+
+The attention is computed over the whole of a tree's sequence under its mask: ``W^2``
+scores for a tree of ``W`` nodes, where rows side by side compute each row's own. For
+episodes that share only their prompt the tree does more attention work than the rows
+(and the same work elsewhere), so :func:`~algorithms.logprobs.forward_logprobs` runs a
+tree only where it saves enough tokens; a kernel that skips the masked blocks, or
+attention per branch, would remove that cost.
 
 Shapes: ``N`` rows of ``T`` tokens (right-padded), ``L`` nodes in ``R`` trees of at most
 ``W`` nodes.

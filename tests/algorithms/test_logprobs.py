@@ -113,10 +113,10 @@ def branching_batch(tokenizer, seed=1):
     def rand(n):
         return torch.randint(100, 5000, (n,), generator=g).tolist()
 
-    prompt, turn, reply = rand(30), rand(6), rand(9)
+    prompt, turn, reply = rand(30), rand(6), rand(20)
     rows = [
-        (prompt + turn + reply + rand(5), [0] * 30 + [1] * 6 + [0] * 9 + [1] * 5),
-        (prompt + turn + reply + rand(8), [0] * 30 + [1] * 6 + [0] * 9 + [1] * 8),
+        (prompt + turn + reply + rand(5), [0] * 30 + [1] * 6 + [0] * 20 + [1] * 5),
+        (prompt + turn + reply + rand(8), [0] * 30 + [1] * 6 + [0] * 20 + [1] * 8),
         (prompt + turn[:1] + rand(4), [0] * 30 + [1] * 5),
     ]
     t = max(len(ids) for ids, _ in rows)
@@ -131,7 +131,9 @@ def branching_batch(tokenizer, seed=1):
 
 
 @pytest.mark.parametrize("scored", ["policy", "all"])
-def test_rows_sharing_policy_and_env_tokens_match_a_plain_forward(tiny_model, tokenizer, scored):
+def test_rows_sharing_policy_and_env_tokens_match_a_plain_forward(
+    tiny_model, tokenizer, scored, monkeypatch
+):
     from algorithms.prefix_tree import PrefixTree
 
     ids, attn, action = branching_batch(tokenizer)
@@ -140,17 +142,19 @@ def test_rows_sharing_policy_and_env_tokens_match_a_plain_forward(tiny_model, to
     weight = weight.clone()
     weight[:, 0] = 0  # position 0 is never scored
     tree = PrefixTree.from_rows(ids, attn, mask)
-    # row 1 shares prompt + turn + reply (45 tokens) with row 0, row 2 the prompt + 1 (31)
-    assert len(tree) == int(attn.sum()) - 45 - 31
+    # row 1 shares prompt + turn + reply (56 tokens) with row 0, row 2 the prompt + 1 (31)
+    assert len(tree) == int(attn.sum()) - 56 - 31
     tiny_model.train()
     params = [p for p in tiny_model.parameters() if p.requires_grad]
     expected = reference(tiny_model, ids, attn, 0.7) * weight
     # different weights per row: a shared node's gradient is the sum of its rows'
     row_weights = torch.tensor([[1.0], [-2.0], [0.5]])
     grads_expected = torch.autograd.grad((expected * row_weights).sum(), params)
+    trees = _count_trees(monkeypatch)
     logp, entropy = forward_logprobs(
         tiny_model, ids, attn, 0.7, action_mask=mask, with_entropy=True
     )
+    assert trees == [1]  # run as a tree: it holds 73 of the 102 tokens the prompt leaves
     torch.testing.assert_close(logp, expected, atol=2e-5, rtol=0)
     assert (logp[weight == 0] == 0).all() and (entropy[weight == 0] == 0).all()
     grads = torch.autograd.grad((logp * row_weights).sum(), params)
@@ -192,3 +196,33 @@ def test_a_head_that_is_not_bypassed_gives_the_same_values(tiny_model, tokenizer
             )
             torch.testing.assert_close(logp, expected, atol=2e-5, rtol=0)
             assert entropy.shape == ids.shape and (entropy[action == 0] == 0).all()
+
+
+def _count_trees(monkeypatch) -> list[int]:
+    """A one-item list counting the prefix trees run through the model from now on."""
+    from algorithms.prefix_tree import PrefixTree
+
+    runs, inputs = [0], PrefixTree.model_inputs
+    monkeypatch.setattr(
+        PrefixTree, "model_inputs", lambda self: (runs.__setitem__(0, runs[0] + 1), inputs(self))[1]
+    )
+    return runs
+
+
+def test_rows_that_share_only_a_prompt_prefill_it_once_instead_of_a_tree(
+    tiny_model, tokenizer, monkeypatch
+):
+    """A tree of rows that share only their prompt saves nothing over prefilling that
+    prompt once, and its attention costs more: the rows continue from the prompt's KV
+    cache (the same values as the plain forward)."""
+    import algorithms.logprobs as logprobs
+
+    ids, attn, action = batch(tokenizer)  # a 40-token prompt, then 7, 12, 4 other tokens
+    trees, prefixes, forward = _count_trees(monkeypatch), [], logprobs._forward
+    monkeypatch.setattr(logprobs, "_forward", lambda *a: (prefixes.append(a[-1]), forward(*a))[1])
+    with torch.no_grad():
+        logp, _ = forward_logprobs(tiny_model, ids, attn, 0.7, action_mask=action)
+    assert trees == [0] and prefixes == [39]  # the prompt, up to the first scored token
+    torch.testing.assert_close(
+        logp, reference(tiny_model, ids, attn, 0.7) * action, atol=2e-5, rtol=0
+    )
