@@ -183,16 +183,11 @@ def test_a_head_that_is_not_bypassed_gives_the_same_values(tiny_model, tokenizer
     tiny_model.config.final_logit_softcapping = 30.0
     assert _plain_head(tiny_model) is None
     expected = reference(tiny_model, ids, attn, 0.7) * action
+    options = {"action_mask": action, "with_entropy": True}
     with torch.no_grad():
-        for share in (True, False):
+        for share in (True, False):  # the tree (73 of 102 tokens), the rows in full
             logp, entropy = forward_logprobs(
-                tiny_model,
-                ids,
-                attn,
-                0.7,
-                action_mask=action,
-                with_entropy=True,
-                share_prefix=share,
+                tiny_model, ids, attn, 0.7, share_prefix=share, **options
             )
             torch.testing.assert_close(logp, expected, atol=2e-5, rtol=0)
             assert entropy.shape == ids.shape and (entropy[action == 0] == 0).all()
