@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from agentenv.lm.attention import cached_forward
+from agentenv.lm.attention import CPU_BF16_ATTENTION, cached_forward
 from algorithms.prefix_tree import PrefixTree
 
 CHUNK_TOKENS = 256  # LM-head positions per chunk: 256 x 49152 float32 logits = 50 MB (measured
@@ -224,6 +224,20 @@ TREE_BELOW = 0.75  # run a prefix tree where it holds at most this share of the 
 # tree of ~1.0, a RAG-v0 group's ~0.27, a quickstart group's ~0.5)
 
 
+def tree_attention_applies(model: torch.nn.Module) -> bool:
+    """Whether ``model`` attends as a prefix tree's mask says: its attention applies a
+    4D mask as given (SDPA, eager, agentenv's CPU attention; flash attention does not)
+    and every layer attends to the whole sequence (a sliding window would be dropped
+    by the tree's mask)."""
+    config = getattr(_unwrap(model), "config", None)
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager", CPU_BF16_ATTENTION):
+        return False
+    layers = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    windowed = window is not None and getattr(config, "use_sliding_window", True)
+    return not windowed and all(kind == "full_attention" for kind in layers)
+
+
 def _common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, limit: int) -> int:
     """Length of the run of tokens, at most ``limit``, that every row begins with
     (unpadded); 0 if shorter than :data:`MIN_SHARED_PREFIX` or for one row."""
@@ -302,7 +316,9 @@ def forward_logprobs(
     demonstrations of different tasks) the tokens every row begins with, before the first
     scored one, are prefilled once and the rows continue from that KV cache: the tree's
     attention, over all of its nodes at once, would cost more than it saves there
-    (:data:`TREE_BELOW`). Without ``share_prefix`` the rows run side by side, each in full.
+    (:data:`TREE_BELOW`); so do models whose attention cannot take the tree's mask
+    (:func:`tree_attention_applies`). Without ``share_prefix`` the rows run side by side,
+    each in full.
     """
     n, t = input_ids.shape
     head = _plain_head(model)
@@ -311,7 +327,7 @@ def forward_logprobs(
         start = max(1, int(action_mask.any(dim=0).float().argmax()))  # first scored token
     prefix = _common_prefix(input_ids, attention_mask, start - 1) if share_prefix else 0
     tree = None
-    if share_prefix and n > 1:
+    if share_prefix and n > 1 and tree_attention_applies(model):
         tree = PrefixTree.from_rows(input_ids, attention_mask, action_mask)
         if len(tree) > TREE_BELOW * (int(attention_mask.sum()) - (n - 1) * prefix):
             tree = None

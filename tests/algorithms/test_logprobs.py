@@ -221,3 +221,24 @@ def test_rows_that_share_only_a_prompt_prefill_it_once_instead_of_a_tree(
     torch.testing.assert_close(
         logp, reference(tiny_model, ids, attn, 0.7) * action, atol=2e-5, rtol=0
     )
+
+
+def test_the_tree_runs_only_where_the_attention_takes_its_mask(tiny_model):
+    """Flash attention ignores a 4D mask and a sliding window would be lost under the
+    tree's: such models run their rows from the common prefix instead."""
+    from algorithms.logprobs import tree_attention_applies
+
+    config = tiny_model.config
+    assert tree_attention_applies(tiny_model)  # SDPA, full attention
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    assert tree_attention_applies(tiny_model)
+    config.layer_types[-1] = "sliding_attention"
+    assert not tree_attention_applies(tiny_model)
+    config.layer_types = None
+    config.sliding_window, config.use_sliding_window = 4096, False  # Qwen2's: not used
+    assert tree_attention_applies(tiny_model)
+    config.use_sliding_window = True
+    assert not tree_attention_applies(tiny_model)
+    config.sliding_window = None
+    config._attn_implementation = "flash_attention_2"
+    assert not tree_attention_applies(tiny_model)
