@@ -3,6 +3,7 @@
     python benchmarks/learn_phase.py                               # RAG-v0 recipe's shapes
     python benchmarks/learn_phase.py --micro-batch-tokens 768 3072 # two budgets, one run
     python benchmarks/learn_phase.py --turns 20:0 --prompt 108     # a short one-turn episode
+    python benchmarks/learn_phase.py --shared-turns 1 --paths tree prompt  # a group's trees
 
 The batch has a real run's shapes and synthetic contents: ``--groups`` groups of
 ``--group-size`` episodes, each group sharing a ``--prompt``-token prompt, each episode
@@ -11,7 +12,14 @@ defaults are examples/rag_grpo.yaml's mean episode (docs/reproduce.md#rag-v0: 10
 tokens, a search, 277 tokens of passages, an answer; 53 policy tokens in all, split 20 +
 33 here). Random token ids and rewards (no group has equal rewards, so none is dropped),
 the default SmolLM2-135M-Instruct with GRPO's default LoRA, in the compute dtype
-``--dtype`` gives.
+``--dtype`` gives. With ``--shared-turns K`` the episodes of a group also share their first
+K turns (RAG-v0's groups often share their first search call and its passages), which
+the learn phase can run once as a prefix tree (:mod:`algorithms.prefix_tree`).
+
+``--paths`` picks how micro-batches run, each timed on the same batch: ``tree`` (GRPO's
+own choice: a prefix tree where it holds at most ``TREE_BELOW`` of the tokens, else the
+rows after their common prefix) and ``prompt`` (always the rows after their common
+prefix: the path before prefix trees).
 
 For each micro-batch budget: the learn phase's time (median of ``--repeats`` after a
 warm-up) and peak RSS, then one learn under torch's profiler (CPU only), its operators'
@@ -47,7 +55,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from _common import peak_rss_mb, torch_threads
+from _common import peak_memory, torch_threads
 
 PARTS = (
     "linear layers",
@@ -83,11 +91,13 @@ def make_batch(args: argparse.Namespace, vocab: int, rng: random.Random) -> list
     groups = []
     for _ in range(args.groups):
         prompt = tokens(args.prompt)
+        shared = [(tokens(p), tokens(e)) for p, e in args.turns[: args.shared_turns]]
         group = []
         for _ in range(args.group_size):
             ids, mask = list(prompt), [0] * len(prompt)
-            for policy, env in args.turns:
-                ids += tokens(policy) + tokens(env)
+            for k, (policy, env) in enumerate(args.turns):
+                turn = shared[k] if k < len(shared) else (tokens(policy), tokens(env))
+                ids += turn[0] + turn[1]
                 mask += [1] * policy + [0] * env
             logprobs = [-1.0 if m else 0.0 for m in mask]
             group.append(
@@ -176,6 +186,17 @@ def main() -> None:
         default=[None],
         help="budgets to compare (default: GRPO's default for the device)",
     )
+    parser.add_argument(
+        "--shared-turns", type=int, default=0, help="turns every episode of a group shares"
+    )
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=["tree"],
+        choices=["tree", "prompt"],
+        help="tree: GRPO's choice (a prefix tree where it pays); prompt: rows after their "
+        "common prefix only",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed learns per budget")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
@@ -186,18 +207,23 @@ def main() -> None:
         ("--groups", args.groups, 1),
         ("--group-size", args.group_size, 2),  # GRPO compares episodes within a group
         ("--prompt", args.prompt, 1),
+        ("--shared-turns", args.shared_turns, 0),
         ("--repeats", args.repeats, 1),
         *[("--micro-batch-tokens", b, 1) for b in args.micro_batch_tokens if b is not None],
     ]:
         if value < least:
             parser.error(f"{name} must be >= {least}, got {value}")
+    if args.shared_turns > len(args.turns):
+        parser.error(
+            f"--shared-turns must be <= the {len(args.turns)} turns, got {args.shared_turns}"
+        )
 
     import torch
 
     import agentenv
     from agentenv.lm import models
     from agentenv.lm.precision import training_dtype
-    from algorithms import GRPO, GRPOConfig
+    from algorithms import GRPO, GRPOConfig, logprobs
     from algorithms.batching import pack_prefix_trees
 
     torch.manual_seed(args.seed)
@@ -228,14 +254,19 @@ def main() -> None:
         f"# {args.groups} x {args.group_size} episodes of {episode} tokens ({args.prompt} "
         f"prompt, {policy} policy, {episode - args.prompt - policy} environment)"
     )
-    default = algo.micro_batch_tokens
-    for budget in args.micro_batch_tokens:
+    default, tree_below = algo.micro_batch_tokens, logprobs.TREE_BELOW
+    for budget, path in ((b, p) for b in args.micro_batch_tokens for p in args.paths):
         algo.micro_batch_tokens = budget or default
+        logprobs.TREE_BELOW = tree_below if path == "tree" else 0.0  # 0: never a tree
         algo.learn(batch)  # warm-up
+        if args.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             algo.learn(batch)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         packs = pack_prefix_trees(  # as GRPO packs them: a group's prompt counted once
             [list(zip(ep.input_ids, ep.action_mask, strict=True)) for g in batch for ep in g],
@@ -243,12 +274,14 @@ def main() -> None:
         )
         rows = min(len(packs[0]) * (episode - args.prompt), 4096)  # after the shared prompt
         plain = plain_matmul_gflops(rows, c.hidden_size, c.intermediate_size, compute, args.device)
+        memory = peak_memory(args.device)
+        gpu = memory.get("peak_gpu_mb")
         print(
             f"\n## micro_batch_tokens {algo.micro_batch_tokens} ({len(packs)} micro-batches of "
-            f"up to {len(packs[0])} episodes): learn "
+            f"up to {len(packs[0])} episodes), path {path}: learn "
             f"{statistics.median(times):.2f} s (median of {args.repeats}; "
-            f"{', '.join(f'{t:.2f}' for t in times)}), peak RSS {peak_rss_mb() or 0:.0f} MiB "
-            "(of the process so far)"
+            f"{', '.join(f'{t:.2f}' for t in times)}), peak RSS {memory['peak_rss_mb'] or 0:.0f} "
+            "MiB (of the process so far)" + (f", peak GPU {gpu:.0f} MiB" if gpu else "")
         )
         print(
             f"plain ({rows}, {c.hidden_size}) @ ({c.hidden_size}, {c.intermediate_size}) "
@@ -261,14 +294,15 @@ def main() -> None:
         print(f"profiled learn: {total:.2f} s of operators' own time")
         print(f"{'part':<31} {'s':>6} {'share':>6} {'GFLOP':>7} {'GFLOP/s':>8} {'of plain':>8}")
         for part in PARTS:
-            s, f = prof["seconds"][part], prof["flops"][part] / 1e9
-            rate = f"{f / s:>8.0f} {f / s / plain:>8.0%}" if f and s else f"{'':>8} {'':>8}"
-            print(f"{part:<31} {s:>6.2f} {s / total:>6.0%} {f:>7.0f} {rate}")
+            sec, f = prof["seconds"][part], prof["flops"][part] / 1e9
+            rate = f"{f / sec:>8.0f} {f / sec / plain:>8.0%}" if f and sec else f"{'':>8} {'':>8}"
+            print(f"{part:<31} {sec:>6.2f} {sec / total:>6.0%} {f:>7.0f} {rate}")
         all_flops = sum(prof["flops"].values()) / 1e9
         print(
             f"matmuls at the plain rate: {all_flops / plain:.2f} s for {all_flops:.0f} GFLOP "
             f"({all_flops / plain / total:.0%} of the profiled time)"
         )
+    logprobs.TREE_BELOW = tree_below
 
 
 if __name__ == "__main__":

@@ -118,8 +118,10 @@ def collect_once(
     return m
 
 
-def fixed_work(policy: Any, rows: int) -> float:
-    """tok/s of ``rows`` copies of one chat prompt, 128 new tokens each, no stop."""
+def fixed_work(policy: Any, rows: int) -> tuple[float, float | None]:
+    """tok/s of ``rows`` copies of one chat prompt, 128 new tokens each, no stop, and the
+    rows decoded per sequence run (rows share one until they draw different tokens; None
+    for vLLM, which runs every row)."""
     import agentenv
 
     tok = policy.tokenizer
@@ -146,9 +148,10 @@ def fixed_work(policy: Any, rows: int) -> float:
         prompts = [TokensPrompt(prompt_token_ids=ids)] * rows
         outs = policy.llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+        return sum(len(o.outputs[0].token_ids) for o in outs) / seconds, None
     stop_ids = policy.stop_token_ids
     policy.stop_token_ids = [-1]  # no row ends early
+    decoded = policy.decoded_rows, policy.decoded_slots
     try:
         t0 = time.perf_counter()
         gens = policy.generate([ids] * rows, sampling, seeds=list(range(rows)))
@@ -156,7 +159,8 @@ def fixed_work(policy: Any, rows: int) -> float:
     finally:
         policy.stop_token_ids = stop_ids
         policy.clear_cache()
-    return sum(len(g.token_ids) for g in gens) / seconds
+    shared = (policy.decoded_rows - decoded[0]) / (policy.decoded_slots - decoded[1])
+    return sum(len(g.token_ids) for g in gens) / seconds, shared
 
 
 def decode_columns(m: dict, fixed: float) -> str:
@@ -250,13 +254,16 @@ def main() -> None:
 def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
     """Fixed work, then every scenario and size in both batchings, for one engine."""
     fixed_work(policy, min(args.sizes))  # warm-up: first calls are slow (vLLM's more so)
-    fixed = {n: fixed_work(policy, n) for n in sorted(set(args.sizes))}
-    for n, tps in fixed.items():
-        print(f"fixed work, {n} rows x 128 tokens: {tps:.1f} tok/s")
+    fixed = {}
+    for n in sorted(set(args.sizes)):
+        fixed[n], shared = fixed_work(policy, n)
+        per_slot = "" if shared is None else f" ({shared:.2f} rows per sequence run)"
+        print(f"fixed work, {n} rows x 128 tokens: {fixed[n]:.1f} tok/s{per_slot}")
     header = (
         f"{'scenario':<8} {'episodes':>8} {'system':<10} {'wall s':>7} {'gen s':>6} "
         f"{'tokens':>6} {'tok/s':>6} {'vs fixed':>8} {'prefill s':>9} {'read':>6} "
-        f"{'decode tok/s':>12} {'vs fixed':>8} {'rows':>5} {'env s':>6} {'env wait s':>10}"
+        f"{'decode tok/s':>12} {'vs fixed':>8} {'rows':>5} {'/slot':>5} {'env s':>6} "
+        f"{'env wait s':>10}"
     )
     for k in range(args.passes):
         if args.passes > 1:
@@ -292,7 +299,8 @@ def collect_table(
                     f"{m['rollout/generate_s']:>6.1f} {m['rollout/tokens']:>6.0f} "
                     f"{m['rollout/tokens_per_s']:>6.1f} "
                     f"{m['rollout/tokens_per_s'] / fixed[n]:>8.0%} {decode_columns(m, fixed[n])} "
-                    f"{m['rollout/rows_mean']:>5.1f} {m['rollout/env_s']:>6.1f} "
+                    f"{m['rollout/rows_mean']:>5.1f} {m.get('rollout/rows_per_slot', 1.0):>5.2f} "
+                    f"{m['rollout/env_s']:>6.1f} "
                     f"{m['rollout/env_wait_s']:>10.1f}",
                     flush=True,
                 )

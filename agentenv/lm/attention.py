@@ -258,6 +258,7 @@ class AppendCacheLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.length, self._k, self._v = 0, None, None
+        self._spare_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # batch_append's
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
@@ -266,6 +267,7 @@ class AppendCacheLayer(DynamicLayer):
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:  # DynamicLayer's own methods
         self._k = None if value is None or value.dim() != 4 else value.contiguous()
+        self._spare_rows = None
         self.length = 0 if self._k is None else self._k.shape[-2]
 
     @property
@@ -288,7 +290,7 @@ class AppendCacheLayer(DynamicLayer):
             v = value_states.new_zeros((*value_states.shape[:2], capacity, value_states.shape[-1]))
             if n:
                 k[:, :, :n], v[:, :, :n] = self._k[:, :, :n], self._v[:, :, :n]
-            self._k, self._v = k, v
+            self._k, self._v, self._spare_rows = k, v, None
         self._k[:, :, n : n + add] = key_states
         self._v[:, :, n : n + add] = value_states
         self.length = n + add
@@ -302,13 +304,33 @@ class AppendCacheLayer(DynamicLayer):
         after) as this layer's buffers, without copying them."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        self._k, self._v, self.length = keys, values, length
+        self._k, self._v, self.length, self._spare_rows = keys, values, length, None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is not None:
             self._k = self._k.repeat_interleave(repeats, dim=0)
             self._v = self._v.repeat_interleave(repeats, dim=0)
+            self._spare_rows = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._k is not None:
             self._k, self._v = self._k[indices], self._v[indices]
+            self._spare_rows = None
+
+    def batch_append(self, indices: torch.Tensor, capacity: int) -> None:
+        """Append copies of rows ``indices`` after the last row. The buffers keep room for
+        ``capacity`` rows in all (their leading dimension: a view of the first rows stays
+        contiguous), so later appends copy only the appended rows."""
+        if self._k is None:
+            return
+        b, add = self._k.shape[0], len(indices)
+        spare = getattr(self, "_spare_rows", None)
+        if spare is None or len(spare[0]) < b + add:
+            rows = max(capacity, b + add)
+            spare = (
+                self._k.new_empty((rows, *self._k.shape[1:])),
+                self._v.new_empty((rows, *self._v.shape[1:])),
+            )
+            spare[0][:b], spare[1][:b] = self._k, self._v
+        spare[0][b : b + add], spare[1][b : b + add] = spare[0][indices], spare[1][indices]
+        self._k, self._v, self._spare_rows = spare[0][: b + add], spare[1][: b + add], spare

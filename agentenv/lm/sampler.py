@@ -13,6 +13,9 @@ model's forward pass instead of ``model.generate``, because that lets it:
 * **prefill each distinct prompt once.** Identical prompts (a GRPO group's first turn)
   are prefilled once and their KV cache copied to every row; the prefix common to every
   prompt (the system prompt and tool specs) runs once with batch 1.
+* **decode rows that have drawn the same tokens once** (on a CPU): rows whose tokens so far
+  are the same (a group's episodes writing the same search call) share one sequence of
+  the batch until they draw different tokens (:mod:`agentenv.lm.decoding`).
 * **continue an episode from its cache.** The KV cache of every sequence a call returns
   is kept until the next call; a prompt that extends one (the same episode's next turn:
   its last turn plus the environment's reply) starts from it, so only the new tokens are
@@ -77,6 +80,10 @@ class TransformersPolicy:
             batch. None: on a CPU, where a prefill is compute-bound and padding costs its
             share (env replies of 50 and 250 tokens side by side: 2.4x faster); not on a
             GPU, where a prefill is launch-bound and each new shape costs.
+        share_slots: Decode rows whose tokens so far are the same as one sequence of the
+            batch (:mod:`agentenv.lm.decoding`). None: on a CPU, where a decode step's
+            time grows with its rows; not on a GPU, where it barely does and each split
+            of a shared sequence costs launches and host-device copies.
 
     Attributes:
         prefill_s: Seconds spent prefilling since construction (prompts, and the
@@ -84,6 +91,9 @@ class TransformersPolicy:
         prefill_tokens: Tokens those prefills computed (a shared prefix counts once,
             a continued episode's cached tokens not again). ``collect`` reports both for
             its batch: what generation spent on reading rather than on sampling.
+        decoded_rows: Rows decoded, summed over decode steps since construction.
+        decoded_slots: Sequences the model ran for them: rows whose tokens so far are the
+            same share one (:mod:`agentenv.lm.decoding`).
     """
 
     def __init__(
@@ -96,10 +106,12 @@ class TransformersPolicy:
         share_prefix: bool = True,
         reuse_cache: bool = True,
         split_prefill: bool | None = None,
+        share_slots: bool | None = None,
     ):
         self.trained = model
         self.reuse_cache = reuse_cache
         self._saved: dict[tuple[int, ...], list[Any]] = {}
+        self._saved_by: dict[tuple[int, ...], int] = {}  # rows that left each saved cache
         self._token_text: dict[int, str] = {}  # token id -> its text alone (stop checks)
         self.tokenizer = tokenizer
         self.share_prefix = share_prefix
@@ -107,6 +119,7 @@ class TransformersPolicy:
         self.device = param.device
         self.dtype = resolve_dtype(dtype, self.device)
         self.split_prefill = self.device.type == "cpu" if split_prefill is None else split_prefill
+        self.share_slots = self.device.type == "cpu" if share_slots is None else share_slots
         if stop_token_ids is None:
             stop_token_ids = default_stop_ids(model, tokenizer)
         self.stop_token_ids = list(stop_token_ids)
@@ -116,6 +129,7 @@ class TransformersPolicy:
         self.model = sampling_copy(model, self.dtype, self.device)  # what we sample from
         self._version = trainable_version(self._trainable)
         self.prefill_s, self.prefill_tokens = 0.0, 0
+        self.decoded_rows = self.decoded_slots = 0
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -126,12 +140,12 @@ class TransformersPolicy:
         the last copy; call it yourself after changing weights outside an optimizer.
         """
         self._version = trainable_version(self._trainable)
-        self._saved = {}  # KV caches of the old weights
+        self._saved, self._saved_by = {}, {}  # KV caches of the old weights
         sync_weights(self.model, self.trained)
 
     def clear_cache(self) -> None:
         """Drop the KV caches kept for continuations (``collect`` calls it after a batch)."""
-        self._saved = {}
+        self._saved, self._saved_by = {}, {}
 
     def release_weights(self) -> int:
         """Free the sampling copy's packed weights
@@ -217,18 +231,21 @@ class TransformersPolicy:
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], *, keep_saved: bool = False
-    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run every prompt through the model; return the KV cache, the attention mask
-        ``(n, L)`` over its slots, the next-token logits ``(n, V)`` and next positions ``(n,)``.
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Run every distinct prompt through the model once; return the KV cache, the
+        attention mask ``(u, L)`` over its slots, the next-token logits ``(u, V)`` and next
+        positions ``(u,)`` of the ``u`` distinct prompts, and for each prompt the row that
+        holds it (identical prompts, a GRPO group's first turn, share one).
 
-        Identical prompts (a GRPO group's first turn) are computed once. A prompt that
+        A prompt that
         extends a sequence this policy generated in its previous call (the same episode's
         next turn) continues from that sequence's saved KV cache; otherwise the prefix
         common to all prompts runs once. Each row's tokens sit right-aligned after a masked
         gap, with positions counted by the mask, so every row sees exactly its own prompt.
         With ``split_prefill``, continued rows run in groups of similar new lengths
         (:func:`length_groups`) merged into one batch afterwards. Saved caches this call
-        does not continue are dropped unless ``keep_saved``.
+        does not continue are dropped unless ``keep_saved``; a cache saved by several rows
+        (identical turns) stays until as many prompts have continued it.
         """
         start, model, dev = time.perf_counter(), self.model, self.device
         unique: dict[tuple[int, ...], int] = {}
@@ -237,11 +254,14 @@ class TransformersPolicy:
         u = len(firsts)
         reused = [self._lookup(p) for p in firsts]
         if keep_saved:
-            for r in reused:
-                if r is not None:
+            for r in (reused[i] for i in index):  # each prompt continues its saved row
+                if r is not None and self._saved_by.get(r[0], 0) > 1:
+                    self._saved_by[r[0]] -= 1
+                elif r is not None:
                     self._saved.pop(r[0], None)
+                    self._saved_by.pop(r[0], None)
         else:
-            self._saved = {}
+            self._saved, self._saved_by = {}, {}
         cache, done = None, [0] * u  # done[i]: tokens of prompt i already in the cache
         shared = 0  # tokens of a common prefix computed once
         mask = torch.ones((u, 0), dtype=torch.long)
@@ -265,10 +285,6 @@ class TransformersPolicy:
         rest = [list(p[k:]) for p, k in zip(firsts, done, strict=True)]
         if len(groups) == 1:
             cache, mask, logits, next_pos = self._forward_rest(cache, mask, rest)
-            if u < len(prompts):  # copies of a prompt share one prefill
-                rows = torch.tensor(index)
-                cache.batch_select_indices(rows.to(dev))
-                logits, mask, next_pos = logits[rows.to(dev)], mask[rows], next_pos[rows]
         else:  # each group from its own saved caches, then one batch in the prompts' order
             parts = [
                 self._forward_rest(
@@ -278,7 +294,7 @@ class TransformersPolicy:
                 for g in groups
             ]
             row_of = {i: j for j, i in enumerate(i for g in groups for i in g)}
-            order = [row_of[i] for i in index]  # prompt -> its row among the groups' rows
+            order = [row_of[i] for i in range(u)]  # prompt -> its row among the groups' rows
             cache, mask = merge_caches(model, [(c, m, None) for c, m, _, _ in parts], order)
             logits = torch.cat([part[2] for part in parts])[torch.tensor(order, device=dev)]
             next_pos = torch.cat([part[3] for part in parts])[order]
@@ -286,7 +302,7 @@ class TransformersPolicy:
             torch.cuda.synchronize(dev)
         self.prefill_s += time.perf_counter() - start
         self.prefill_tokens += shared + sum(len(r) for r in rest)
-        return cache, mask, logits, next_pos
+        return cache, mask, logits, next_pos, index
 
     def _forward_rest(
         self, cache: Any, mask: torch.Tensor, rest: list[list[int]]
@@ -322,9 +338,15 @@ class TransformersPolicy:
                     best = (key, layers)
         return best
 
-    def save(self, cache: Any, j: int, mask: torch.Tensor, key: tuple[int, ...]) -> None:
-        """Keep row ``j``'s KV cache (its real slots only) for a continuation of ``key``."""
+    def save(
+        self, cache: Any, j: int, mask: torch.Tensor, key: tuple[int, ...], rows: int = 1
+    ) -> None:
+        """Keep row ``j``'s KV cache (its real slots only) for a continuation of ``key`` by
+        ``rows`` rows (each of which a later prompt continues once)."""
         if not self.reuse_cache or not plain_layers(cache):
+            return
+        if key in self._saved:  # the same sequence, left by another row
+            self._saved_by[key] = self._saved_by.get(key, 1) + rows
             return
         # the slot indices once, from the mask (on the CPU): a boolean index per layer
         # would sync with a GPU 60 times per row (SmolLM2), and find them 60 times
@@ -336,6 +358,7 @@ class TransformersPolicy:
             (layer.keys[j].index_select(1, real), layer.values[j].index_select(1, real))
             for layer in cache.layers
         ]
+        self._saved_by[key] = rows
 
 
 # What one more prefill call and the merge of its rows are counted as, in token slots of a

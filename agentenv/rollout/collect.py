@@ -105,7 +105,9 @@ def collect(
         ``rollout/tokens_per_s`` (in the loop), ``rollout/rows_mean`` (rows per decode
         step) and ``rollout/env_errors``; with a policy that counts its prefills (the
         bundled sampler), ``rollout/prefill_s`` (the part of ``generate_s`` spent reading
-        prompts and env replies) and ``rollout/prefill_tokens`` (the tokens read).
+        prompts and env replies), ``rollout/prefill_tokens`` (the tokens read) and
+        ``rollout/rows_per_slot`` (rows decoded per sequence the model ran: rows whose
+        tokens so far are the same share one, :mod:`agentenv.lm.decoding`).
     """
     start = time.perf_counter()
     prefilled = _prefill_totals(policy)
@@ -262,16 +264,20 @@ def collect(
         "rollout/env_errors": float(clock.env_errors),
     }
     if prefilled is not None:
-        seconds, read = _prefill_totals(policy)
+        seconds, read, rows, slots = _prefill_totals(policy)
         metrics["rollout/prefill_s"] = seconds - prefilled[0]
         metrics["rollout/prefill_tokens"] = float(read - prefilled[1])
+        if slots > prefilled[3]:
+            metrics["rollout/rows_per_slot"] = (rows - prefilled[2]) / (slots - prefilled[3])
     return groups, metrics
 
 
-def _prefill_totals(policy: PolicyBackend) -> tuple[float, int] | None:
-    """The policy's prefill seconds and tokens so far (None: it does not count them)."""
-    seconds, read = getattr(policy, "prefill_s", None), getattr(policy, "prefill_tokens", None)
-    return None if seconds is None or read is None else (seconds, read)
+def _prefill_totals(policy: PolicyBackend) -> tuple[float, int, int, int] | None:
+    """The policy's prefill seconds and tokens, rows decoded and slots run so far (None:
+    it does not count them)."""
+    names = ("prefill_s", "prefill_tokens", "decoded_rows", "decoded_slots")
+    totals = [getattr(policy, name, None) for name in names]
+    return None if any(t is None for t in totals) else tuple(totals)  # type: ignore[return-value]
 
 
 @dataclass

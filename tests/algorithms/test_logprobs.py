@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from devices import DEVICES, on
 
 from algorithms.logprobs import forward_logprobs
 
@@ -130,13 +131,15 @@ def branching_batch(tokenizer, seed=1):
     return ids, attn, action
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scored", ["policy", "all"])
 def test_rows_sharing_policy_and_env_tokens_match_a_plain_forward(
-    tiny_model, tokenizer, scored, monkeypatch
+    tiny_model, tokenizer, scored, device, monkeypatch
 ):
     from algorithms.prefix_tree import PrefixTree
 
-    ids, attn, action = branching_batch(tokenizer)
+    tiny_model = on(tiny_model, device)
+    ids, attn, action = (t.to(device) for t in branching_batch(tokenizer))
     mask = action if scored == "policy" else None
     weight = action if scored == "policy" else attn.float()
     weight = weight.clone()
@@ -148,7 +151,7 @@ def test_rows_sharing_policy_and_env_tokens_match_a_plain_forward(
     params = [p for p in tiny_model.parameters() if p.requires_grad]
     expected = reference(tiny_model, ids, attn, 0.7) * weight
     # different weights per row: a shared node's gradient is the sum of its rows'
-    row_weights = torch.tensor([[1.0], [-2.0], [0.5]])
+    row_weights = torch.tensor([[1.0], [-2.0], [0.5]], device=device)
     grads_expected = torch.autograd.grad((expected * row_weights).sum(), params)
     trees = _count_trees(monkeypatch)
     logp, entropy = forward_logprobs(
@@ -160,6 +163,23 @@ def test_rows_sharing_policy_and_env_tokens_match_a_plain_forward(
     grads = torch.autograd.grad((logp * row_weights).sum(), params)
     for a, b in zip(grads, grads_expected, strict=True):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tree_under_bf16_autocast_is_as_close_as_the_rows(tiny_model, tokenizer, device):
+    """In bfloat16 the tree's values differ from the rows' by rounding only: against the
+    float32 forward, no further off than the rows run one by one."""
+    tiny_model = on(tiny_model, device)
+    ids, attn, action = (t.to(device) for t in branching_batch(tokenizer))
+    options = {"action_mask": action}
+    with torch.no_grad():
+        exact, _ = forward_logprobs(tiny_model, ids, attn, **options)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            tree, _ = forward_logprobs(tiny_model, ids, attn, **options)
+            rows, _ = forward_logprobs(tiny_model, ids, attn, share_prefix=False, **options)
+    scored = action.bool()
+    tree_error, rows_error = ((x - exact).abs()[scored].mean() for x in (tree, rows))
+    assert 0 < rows_error < 0.05 and tree_error < 2 * rows_error
 
 
 def test_a_micro_batch_with_nothing_scored_still_reaches_every_weight(tiny_model, tokenizer):

@@ -172,6 +172,27 @@ def test_append_cache_layer_grows_in_place_and_reports_valid_slots():
     assert layer.keys.shape == (1, 1, 5, 2) and torch.equal(layer.keys[0, :, :3], k[1])
 
 
+def test_append_cache_layer_appends_copies_of_rows_into_kept_room():
+    layer = AppendCacheLayer()
+    k = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
+    layer.update(k, -k)
+    layer.update(k[:, :, :1] + 100, -k[:, :, :1])  # a decode step: spare slots after 4
+    before = layer._k.clone()
+    layer.batch_append(torch.tensor([1]), capacity=4)
+    assert layer.keys.shape == (3, 1, 4, 2) and layer._k.is_contiguous()
+    assert torch.equal(layer._k[:2], before) and torch.equal(layer._k[2], before[1])
+    assert torch.equal(layer._v[2], layer._v[1])
+    buffer = layer._k.data_ptr()
+    layer.batch_append(torch.tensor([0]), capacity=4)  # into the room kept: no new buffer
+    assert layer._k.data_ptr() == buffer and torch.equal(layer._k[3], before[0])
+    new = torch.full((4, 1, 1, 2), 7.0)
+    keys, _ = layer.update(new, new)  # the next step writes every row, copies included
+    assert keys.shape[0] == 4 and layer.get_seq_length() == 5
+    assert (layer.keys[:, :, 4] == 7).all() and torch.equal(layer.keys[3, :, :4], before[0, :, :4])
+    layer.batch_append(torch.tensor([3, 3]), capacity=4)  # past the room: a larger buffer
+    assert layer.keys.shape[0] == 6 and torch.equal(layer.keys[5], layer.keys[0])
+
+
 def test_rows_of_different_lengths_without_a_shared_prefix_have_no_nans(tiny_model, tokenizer):
     """Left-padding queries see no key at all; they must not turn the cache into NaNs."""
     from agentenv.lm.engine import SamplingConfig

@@ -578,6 +578,75 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_they_would_alone(
         )  # fmt: skip
 
 
+# The tiny random model's logits are flat: at this temperature 8 rows of one prompt draw
+# 2 different first tokens and part into 6 sequences over 12 steps.
+PARTING = SamplingConfig(max_new_tokens=12, temperature=0.068, stop_strings=[])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("caches", ["append", "dynamic"])
+def test_rows_sharing_a_slot_until_they_part_decode_as_they_would_alone(
+    tiny_model, tokenizer, device, caches, monkeypatch
+):
+    """Rows whose tokens so far are the same run as one sequence of the batch, and a
+    sequence splits where its rows draw different tokens: each row still gets the tokens
+    and log-probs of a fresh single-row generate with its seed (float32)."""
+    from agentenv.lm import decoding, sampler
+
+    if caches == "dynamic":  # transformers' own caches: a split copies the whole cache
+        monkeypatch.setattr(sampler, "append_cache", lambda model: None)
+        monkeypatch.setattr(decoding, "append_cache", lambda model: None)
+    model = on(tiny_model, device)
+    first, other = prompts(tokenizer)[:2]
+    batch = [first] * 8 + [other] * 2
+    seeds = list(range(10))
+    policy = TransformersPolicy(model, tokenizer, dtype="float32", share_slots=True)
+    got = policy.generate(batch, PARTING, seeds=seeds)
+    assert 0 < policy.decoded_slots < 0.75 * policy.decoded_rows  # shared for most steps
+    assert len({tuple(g.token_ids) for g in got[:8]}) > 1  # and parted
+    apart = TransformersPolicy(model, tokenizer, dtype="float32", share_slots=False)
+    separate = apart.generate(batch, PARTING, seeds=seeds)  # a slot per row: the same
+    assert [g.token_ids for g in separate] == [g.token_ids for g in got]
+    assert apart.decoded_slots == apart.decoded_rows == policy.decoded_rows
+    for prompt, seed, generation in zip(batch, seeds, got, strict=True):
+        alone = TransformersPolicy(model, tokenizer, dtype="float32")
+        expected = alone.generate([prompt], PARTING, seeds=[seed])[0]
+        assert alone.decoded_slots == alone.decoded_rows == len(expected.token_ids)
+        assert generation.token_ids == expected.token_ids
+        torch.testing.assert_close(
+            torch.tensor(generation.sampler_logprobs),
+            torch.tensor(expected.sampler_logprobs),
+            atol=1e-5,
+            rtol=0,
+        )
+
+
+def test_rows_that_end_together_save_one_cache_that_each_continuation_uses(tiny_model, tokenizer):
+    """Three rows of one slot end at the same step: their cache is saved once, and each of
+    their next turns, admitted at different steps, continues it (only the new tokens are
+    prefilled); the last one uses it up."""
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0, stop_strings=[])
+    first = prompts(tokenizer)[0]
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32", share_slots=True)
+    decoder = policy.decoder(greedy)
+    for key in "abc":
+        decoder.add(key, first, seed=0)
+    ended = [x for _ in range(4) for x in decoder.step()]
+    assert sorted(k for k, _ in ended) == ["a", "b", "c"]
+    assert policy.decoded_rows == 12 and policy.decoded_slots == 4
+    turn = ended[0][1].token_ids
+    assert all(g.token_ids == turn for _, g in ended)
+    longer = [*first, *turn, *tokenizer.encode(" go on", add_special_tokens=False)]
+    new = len(longer) - len(first) - len(turn) + 1  # the last sampled token, then the reply
+    assert len(policy._saved) == 1
+    for i, key in enumerate("abc"):
+        before = policy.prefill_tokens
+        decoder.add(key, longer, seed=0, max_new_tokens=2)
+        decoder.step()  # admitted alone (the others are still decoding, or done)
+        assert policy.prefill_tokens - before == new
+        assert (policy._lookup(tuple(longer)) is None) == (i == 2)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_continued_row_starts_from_its_saved_cache(sharp_model, tokenizer, device):
     """An episode's next turn, added while another row decodes, continues its saved KV
@@ -590,7 +659,8 @@ def test_a_continued_row_starts_from_its_saved_cache(sharp_model, tokenizer, dev
     decoder.add("a", first, seed=1, max_new_tokens=4)
     decoder.add("b", prompts(tokenizer)[1], seed=2)
     ended = [x for _ in range(4) for x in decoder.step()]
-    assert [key for key, _ in ended] == ["a"] and [r.key for r in decoder.rows if r] == ["b"]
+    assert [key for key, _ in ended] == ["a"]
+    assert [r.key for rows in decoder.slots for r in rows] == ["b"]
     turn = ended[0][1]
     longer = [*first, *turn.token_ids, *tokenizer.encode(" ok, go on", add_special_tokens=False)]
     assert policy._lookup(tuple(longer)) is not None

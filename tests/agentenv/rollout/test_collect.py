@@ -85,6 +85,7 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, batchi
         "rollout/rows_mean",
         "rollout/prefill_s",
         "rollout/prefill_tokens",
+        "rollout/rows_per_slot",
     }
     assert metrics["rollout/env_errors"] == 0
     assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes)
@@ -100,6 +101,22 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, batchi
     turn2 = sum(second[0] - (first_turn[1] - 1) for first_turn, second in spans)
     assert metrics["rollout/prefill_tokens"] == turn1 + turn2
     assert 0 < metrics["rollout/prefill_s"] < metrics["rollout/generate_s"]
+    # Decode steps by hand: at a step, rows with the same prompt and tokens so far share a
+    # slot (lock-step: a turn's rows all start together; the engine admits a turn-2 row
+    # when its env answers, so there it is at least 1)
+    rows = slots = 0
+    for turn in range(2):
+        seqs = []
+        for e in episodes:
+            start, end = e.policy_spans()[turn]
+            seqs.append((tuple(e.input_ids[:start]), tuple(e.input_ids[start:end])))
+        for t in range(max(len(tokens) for _, tokens in seqs)):
+            alive = [(prompt, tokens[:t]) for prompt, tokens in seqs if len(tokens) > t]
+            rows, slots = rows + len(alive), slots + len(set(alive))
+    if batching == "lockstep":
+        assert metrics["rollout/rows_per_slot"] == pytest.approx(rows / slots) and slots < rows
+    else:
+        assert 1 <= metrics["rollout/rows_per_slot"] <= rows / slots
 
 
 class FlakyEnv(gym.Wrapper):
