@@ -65,14 +65,21 @@ def test_matmul_flops_count_two_per_multiply_add() -> None:
     )
 
 
-def test_the_batch_has_the_asked_shapes_and_each_group_shares_its_prompt() -> None:
-    args = SimpleNamespace(groups=2, group_size=3, prompt=5, turns=[(2, 4), (3, 0)])
+@pytest.mark.parametrize("shared_turns", [0, 1])
+def test_the_batch_has_the_asked_shapes_and_each_group_shares_its_prompt(shared_turns) -> None:
+    """A group's episodes share the prompt and their first ``shared_turns`` turns (policy
+    and env tokens), then differ; groups share nothing."""
+    args = SimpleNamespace(
+        groups=2, group_size=3, prompt=5, turns=[(2, 4), (3, 0)], shared_turns=shared_turns
+    )
     groups = learn_phase.make_batch(args, 5000, random.Random(0))
     assert [len(g) for g in groups] == [3, 3]
+    common = 5 + 6 * shared_turns  # the prompt, then the 2 + 4 tokens of the first turn
     for group in groups:
         for ep in group:
             assert ep.action_mask == [0] * 5 + [1] * 2 + [0] * 4 + [1] * 3
             assert len(ep.input_ids) == len(ep.sampler_logprobs) == 14
-            assert ep.input_ids[:5] == group[0].input_ids[:5]
+            assert ep.input_ids[:common] == group[0].input_ids[:common]
             assert [lp != 0 for lp in ep.sampler_logprobs] == [bool(m) for m in ep.action_mask]
+        assert group[1].input_ids[common:] != group[0].input_ids[common:]
     assert groups[0][0].input_ids[:5] != groups[1][0].input_ids[:5]
