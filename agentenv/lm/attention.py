@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -68,16 +69,19 @@ def grouped_attention(
     else:
         attention_mask = _over_spare_slots(attention_mask, length)
     g = h // kv  # query heads per KV head; head i reads KV head i // g
+    scale = scaling if scaling is not None else d**-0.5
+    if math.frexp(scale)[0] == 0.5:  # a power of two (d = 64: 1/8) scales exactly: the
+        query, scale = query * scale, 1.0  # queries then, not the L times more scores
     scores = torch.matmul(query.reshape(b, kv, g * q, d), key.transpose(-1, -2))
-    scores = scores * (scaling if scaling is not None else d**-0.5)  # (b, kv, g*q, L)
+    if scale != 1.0:
+        scores = scores * scale  # (b, kv, g*q, L)
     if attention_mask is not None:
-        scores = scores.view(b, kv, g, q, length)
         # the dtype's lowest value, not -inf: a fully masked row (a left-padding query)
-        # then gets finite, ignored outputs instead of NaNs that would reach the cache
-        scores = scores.masked_fill(
+        # then gets finite, ignored outputs instead of NaNs that would reach the cache;
+        # in place (the matmul's or the scaling's own output; neither backward needs it)
+        scores.view(b, kv, g, q, length).masked_fill_(
             ~attention_mask[:, :, None].bool(), torch.finfo(scores.dtype).min
         )
-        scores = scores.view(b, kv, g * q, length)
     probs = torch.softmax(scores, dim=-1)  # float32 inside, the output in the input's dtype
     out = torch.matmul(probs, value)  # (b, kv, g*q, d)
     return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
