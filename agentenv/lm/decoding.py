@@ -160,7 +160,9 @@ class Decoder:
         cache, mask, logits, next_pos, index = self.policy.prefill(
             [r.prompt for r in new], keep_saved=self.keep_saved
         )
-        if self.policy.share_slots:  # identical prompts: one slot
+        # identical prompts share a slot, unless slots cannot be copied when they split
+        # (a cache of sliding windows or recurrent states: every row keeps its own)
+        if self.policy.share_slots and plain_layers(cache):
             slots: list[list[_Row]] = [[] for _ in range(len(logits))]
             for row, i in zip(new, index, strict=True):
                 slots[i].append(row)

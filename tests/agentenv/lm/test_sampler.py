@@ -621,6 +621,34 @@ def test_rows_sharing_a_slot_until_they_part_decode_as_they_would_alone(
         )
 
 
+def test_rows_of_a_model_with_sliding_windows_keep_a_slot_each(tokenizer):
+    """A cache of sliding-window layers cannot copy a slot's rows when it splits: its rows
+    each keep their own slot (and decode as they would alone)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=4096,
+        max_window_layers=0,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    assert set(model.config.layer_types) == {"sliding_attention"}
+    first = prompts(tokenizer)[0]
+    policy = TransformersPolicy(model, tokenizer, dtype="float32", share_slots=True)
+    got = policy.generate([first] * 3, PARTING, seeds=[0, 1, 2])
+    assert policy.decoded_slots == policy.decoded_rows > 0
+    alone = TransformersPolicy(model, tokenizer, dtype="float32")
+    assert got[1].token_ids == alone.generate([first], PARTING, seeds=[1])[0].token_ids
+
+
 def test_rows_that_end_together_save_one_cache_that_each_continuation_uses(tiny_model, tokenizer):
     """Three rows of one slot end at the same step: their cache is saved once, and each of
     their next turns, admitted at different steps, continues it (only the new tokens are
