@@ -23,7 +23,8 @@ of the batch, a *slot*: the model runs each slot once a step, and each row draws
 token from the slot's logits with its own generator. Where the rows of a slot draw
 different tokens, the slot splits: each further token gets a copy of the slot's KV cache.
 In the RAG-v0 recipe's saved episodes, a first turn's decode steps have 5.4 rows per
-slot (3.4 over all turns).
+slot (3.4 over all turns). Where the policy's ``share_slots`` is off (by default on a
+GPU, where a step's time barely grows with its rows) every row has a slot of its own.
 """
 
 from __future__ import annotations
@@ -63,11 +64,10 @@ class Decoder:
         keep_saved: Keep saved KV caches that this decoder's rows do not continue (the
             rollout engine: other episodes' turns arrive later). False: a prefill drops
             them (one ``generate`` call continues only the previous call's rows).
-        dead_fraction: A row that ends leaves its slot in the batch (masked, its outputs
-            ignored) until more than this share of the slots are such: removing a row
-            copies the whole KV cache, so the rollout engine drops ended rows in bulk, or
-            for free when rows join. 0: at once (one ``generate`` call: every row's batch
-            is then exactly that of the previous decode loop).
+        dead_fraction: A slot whose rows have all ended stays in the batch (masked, its
+            outputs ignored) until more than this share of the slots are such: removing
+            one copies the whole KV cache, so the rollout engine drops ended slots in
+            bulk, or for free when rows join. 0: at once (one ``generate`` call).
     """
 
     def __init__(

@@ -11,8 +11,9 @@ model's forward pass instead of ``model.generate``, because that lets it:
   changed) -- the way TRL syncs weights into vLLM. What the copy is (LoRA unmerged,
   FSDP2 gathered, linear layers pre-packed for oneDNN) is :mod:`agentenv.lm.weights`.
 * **prefill each distinct prompt once.** Identical prompts (a GRPO group's first turn)
-  are prefilled once and their KV cache copied to every row; the prefix common to every
-  prompt (the system prompt and tool specs) runs once with batch 1.
+  are prefilled once, their rows decoding from that one KV cache (a copy per row where
+  rows do not share slots, below); the prefix common to every prompt (the system prompt
+  and tool specs) runs once with batch 1.
 * **decode rows that have drawn the same tokens once** (on a CPU): rows whose tokens so far
   are the same (a group's episodes writing the same search call) share one sequence of
   the batch until they draw different tokens (:mod:`agentenv.lm.decoding`).
