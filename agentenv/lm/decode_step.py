@@ -1,5 +1,6 @@
-"""One decode step of the sampler: a new token per row through the model, without
-transformers' per-call machinery where the model's architecture is known.
+"""One decode step of the sampler: new tokens for every row through the model (one, or a
+few where drafted tokens are verified), without transformers' per-call machinery where
+the model's architecture is known.
 
 A decode step of a small model carries much overhead: SmolLM2-135M at 8 rows on a
 2-core CPU spends about a tenth of its ~40 ms in transformers' forward itself (argument
@@ -48,28 +49,29 @@ def decode_logits(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, Any]:
-    """Logits ``(b, V)`` for one new token per row, and the cache with it appended.
+    """Logits ``(b, q, V)`` after each of ``q`` new tokens per row (causal among them),
+    and the cache with them appended.
 
     Args:
         model: The sampler's model (the sampling copy).
-        cache: The batch's KV cache, ``L - 1`` slots per row.
-        input_ids: ``(b, 1)``: each row's newest token.
-        attention_mask: ``(b, L)``: the slots each row attends to, the new token's last.
-        position_ids: ``(b, 1)``: the new token's position in its row.
+        cache: The batch's KV cache, ``L - q`` slots per row.
+        input_ids: ``(b, q)``: each row's newest tokens (q > 1: a token and the drafted
+            tokens after it, :mod:`agentenv.lm.drafting`).
+        attention_mask: ``(b, L)``: the slots each row attends to, the new tokens' last.
+        position_ids: ``(b, q)``: the new tokens' positions in their row.
     """
     if _direct(model, cache, input_ids, attention_mask):
         return _llama_step(model, cache, input_ids, attention_mask, position_ids), cache
-    logits, cache = cached_forward(
+    return cached_forward(
         model, cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
     )
-    return logits[:, -1], cache
 
 
 def _direct(
     model: torch.nn.Module, cache: Any, input_ids: torch.Tensor, mask: torch.Tensor
 ) -> bool:
     """Whether :func:`_llama_step` computes exactly what ``model``'s forward would."""
-    if type(model) is not llama.LlamaForCausalLM or input_ids.shape[1] != 1:
+    if type(model) is not llama.LlamaForCausalLM:
         return False
     config, inner = model.config, model.model
     if config._attn_implementation not in (CPU_BF16_ATTENTION, CACHE_ATTENTION):
@@ -79,7 +81,7 @@ def _direct(
         return False
     if any(type(c) is not AppendCacheLayer for c in cache.layers):
         return False
-    if mask.dim() != 2 or mask.shape[1] != cache.get_seq_length() + 1:
+    if mask.dim() != 2 or mask.shape[1] != cache.get_seq_length() + input_ids.shape[1]:
         return False
     if type(inner) is not llama.LlamaModel or _global_hooks():
         return False
@@ -116,17 +118,23 @@ def _llama_step(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """``LlamaForCausalLM.forward`` for one token per row over an in-place cache, as
-    transformers computes it (``modeling_llama``): logits ``(b, V)``."""
+    """``LlamaForCausalLM.forward`` for ``q`` tokens per row over an in-place cache, as
+    transformers computes it (``modeling_llama``): logits ``(b, q, V)``."""
     inner = model.model
     attention = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
-    hidden = inner.embed_tokens(input_ids)  # (b, 1, H)
-    cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)  # (b, 1, d) each
-    cos, sin = cos[:, None], _signed(sin)[:, None]  # (b, 1, 1, d): the same for every head
-    # transformers' mask for one query per row over every slot: the 2-D mask as booleans,
-    # widened once over the cache's spare slots (as the attention function would per layer)
+    hidden = inner.embed_tokens(input_ids)  # (b, q, H)
+    cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)  # (b, q, d) each
+    cos, sin = cos[:, None], _signed(sin)[:, None]  # (b, 1, q, d): the same for every head
+    b, q = input_ids.shape
+    # transformers' mask (sdpa_mask): the 2-D mask as booleans, causal among the new
+    # tokens (query i sees slots up to L - q + i), widened once over the cache's spare
+    # slots (as the attention function would per layer)
     mask = attention_mask.bool()[:, None, None, :]  # (b, 1, 1, L)
-    b = hidden.shape[0]
+    if q > 1:
+        length = mask.shape[-1]
+        slots = torch.arange(length, device=mask.device)
+        last = torch.arange(length - q, length, device=mask.device)
+        mask = mask & (slots[None, :] <= last[:, None])  # (b, 1, q, L)
     for i, layer in enumerate(inner.layers):
         att = layer.self_attn
         query, key, value = _projections(att, layer.input_layernorm(hidden), cos, sin)
@@ -141,27 +149,27 @@ def _llama_step(
             mask,
             dropout=att.attention_dropout if att.training else 0.0,
             scaling=att.scaling,
-        )  # (b, 1, heads, d)
-        hidden = hidden + att.o_proj(out.reshape(b, 1, -1).contiguous())
+        )  # (b, q, heads, d)
+        hidden = hidden + att.o_proj(out.reshape(b, q, -1).contiguous())
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(inner.norm(hidden))[:, -1]
+    return model.lm_head(inner.norm(hidden))
 
 
 def _projections(
     att: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The attention layer's query ``(b, heads, 1, d)`` and key and value ``(b, kv heads,
-    1, d)`` for ``x`` ``(b, 1, H)``, rotary embedding applied (``sin`` signed by
+    """The attention layer's query ``(b, heads, q, d)`` and key and value ``(b, kv heads,
+    q, d)`` for ``x`` ``(b, q, H)``, rotary embedding applied (``sin`` signed by
     :func:`_signed`). From the three projections packed as one
     (:class:`~agentenv.lm.weights.PackedConcat`, its outputs bitwise theirs; an unmerged
     LoRA update added to its part as the LoRA layer adds it) where the sampling copy has
     it, else from each."""
-    b, d = x.shape[0], att.head_dim
+    b, q, d = x.shape[0], x.shape[1], att.head_dim
     projections = (att.q_proj, att.k_proj, att.v_proj)
     fused = getattr(att, "packed_qkv", None)
     updates = None if fused is None else _updates(fused, projections)
-    if updates is not None and fused.exact(b):
-        qkv = fused(x)  # (b, 1, (heads + 2 kv heads) d)
+    if updates is not None and fused.exact(b * q):
+        qkv = fused(x)  # (b, q, (heads + 2 kv heads) d)
         start = 0
         for lora, layer in zip(updates, fused.layers, strict=True):
             if lora is not None:  # (in float32, rounded once into the bf16 slice)
@@ -169,10 +177,10 @@ def _projections(
             start += layer.out_features
         values = fused.layers[2].out_features
         # query and key rotated together: one set of operations for both
-        qk = _rotate(qkv[..., :-values].view(b, 1, -1, d).transpose(1, 2), cos, sin)
+        qk = _rotate(qkv[..., :-values].view(b, q, -1, d).transpose(1, 2), cos, sin)
         heads = fused.layers[0].out_features // d
-        return qk[:, :heads], qk[:, heads:], qkv[..., -values:].view(b, 1, -1, d).transpose(1, 2)
-    shape = (b, 1, -1, d)
+        return qk[:, :heads], qk[:, heads:], qkv[..., -values:].view(b, q, -1, d).transpose(1, 2)
+    shape = (b, q, -1, d)
     query, key, value = (p(x).view(shape).transpose(1, 2) for p in projections)
     return _rotate(query, cos, sin), _rotate(key, cos, sin), value
 

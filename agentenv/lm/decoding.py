@@ -7,7 +7,7 @@ as its environment has answered, while other rows keep decoding::
 
     decoder = policy.decoder(sampling)
     decoder.add(key, prompt_ids, seed=..., max_new_tokens=...)   # any time
-    for key, generation in decoder.step():   # admit queued rows, one token for every row
+    for key, generation in decoder.step():   # admit queued rows, a token (or more) a row
         ...                                   # rows whose turn ended this step
 
 A row's tokens depend only on its prompt, its seed and the weights: rows that join are
@@ -25,6 +25,14 @@ different tokens, the slot splits: each further token gets a copy of the slot's 
 In the RAG-v0 recipe's saved episodes, a first turn's decode steps have 5.4 rows per
 slot (3.4 over all turns). Where the policy's ``share_slots`` is off (by default on a
 GPU, where a step's time barely grows with its rows) every row has a slot of its own.
+
+A step may also verify drafted tokens (:mod:`agentenv.lm.drafting`): each slot's next
+token goes through the model with the tokens that followed its last few tokens earlier in
+its context, and each row draws position after position with its own generator while its
+draws equal the drafts. A row thus takes as many tokens as it drew (the drafts it drew
+and one more), exactly those of drawing one at a time; the drafts it did not draw are
+masked out of the cache. How many tokens a step drafts follows how often rows drew the
+looked-up token, against what a longer forward costs (:meth:`Decoder._draft_length`).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import AppendCacheLayer, append_cache
 from agentenv.lm.decode_step import decode_logits
+from agentenv.lm.drafting import lookup
 from agentenv.lm.engine import Generation, SamplingConfig
 
 
@@ -96,7 +105,15 @@ class Decoder:
         self.mergeable = True  # False once a prefill gives a cache rows cannot join
         self._waited = 0  # steps the oldest queued row has waited
         self._cache: Any = None
+        # per slot: the mask over the cache, logits after each token of the last forward
+        # (slots, width, V), the next token's position, the tokens looked up to follow
+        # (the first ``_fed`` of them went through that forward, to be verified)
         self._mask = self._logits = self._next_pos = torch.empty(0)
+        self._drafts: list[list[int]] = []
+        self._width, self._fed = 1, 0  # tokens per slot in the last forward, drafts fed
+        # how often a row's next token was its slot's first looked-up token (decayed
+        # counts): what drafting more tokens is expected to gain
+        self._seen = self._agreed = 0.0
         self._buffers = Buffers()  # the draw's, reused step after step
 
     def __len__(self) -> int:
@@ -132,8 +149,9 @@ class Decoder:
         self.queued.append(_Row(key, tuple(prompt), limit, generator))
 
     def step(self) -> list[tuple[Any, Generation]]:
-        """Admit the queued rows when it is time (one batched prefill), draw one token for
-        every running row, and return ``(key, Generation)`` for each row whose turn ended.
+        """Admit the queued rows when it is time (one batched prefill), draw a token for
+        every running row (and the drafted tokens it draws after it), and return ``(key,
+        Generation)`` for each row whose turn ended.
 
         Joining copies the running batch's KV cache once, so queued rows join together: at
         once into an empty batch, else when they are a quarter of the running rows or the
@@ -160,6 +178,7 @@ class Decoder:
         cache, mask, logits, next_pos, index = self.policy.prefill(
             [r.prompt for r in new], keep_saved=self.keep_saved
         )
+        logits = logits[:, None]  # (u, 1, V): nothing drafted
         # identical prompts share a slot, unless slots cannot be copied when they split
         # (a cache of sliding windows or recurrent states: every row keeps its own)
         if self.policy.share_slots and plain_layers(cache):
@@ -177,71 +196,73 @@ class Decoder:
             cache, mask = merge_caches(
                 self.policy.model, [(self._cache, self._mask, alive), (cache, mask, None)]
             )
-            logits = torch.cat([self._logits[alive.to(self._logits.device)], logits])
+            running = self._logits[alive.to(self._logits.device)]  # (n, width, V)
+            logits = torch.cat([running, F.pad(logits, (0, 0, 0, running.shape[1] - 1))])
             next_pos = torch.cat([self._next_pos[alive], next_pos])
+            drafts = [d for d, rows in zip(self._drafts, self.slots, strict=True) if rows]
             slots = [rows for rows in self.slots if rows] + slots
+        else:
+            drafts, self._width, self._fed = [], 1, 0
         self.mergeable = plain_layers(cache)
         self._cache, self._mask, self._logits, self._next_pos = cache, mask, logits, next_pos
+        self._drafts = drafts + [[] for _ in range(len(slots) - len(drafts))]
         self.slots, self.live = slots, self.live + len(new)
 
     def _decode(self) -> list[tuple[Any, Generation]]:
         policy, slots = self.policy, self.slots
-        live = [j for j, rows in enumerate(slots) if rows]
-        of_row = [j for j in live for _ in slots[j]]  # each row's slot
-        rows = [row for j in live for row in slots[j]]
-        logits = self._logits
-        if of_row != list(range(len(slots))):  # not one row per slot, each live
-            logits = logits[torch.tensor(of_row, device=logits.device)]
-        seeded = any(r.generator is not None for r in rows)
-        rngs = [r.generator for r in rows] if seeded else None
-        token, logp = _sample(  # (rows,) each
-            logits, self.sampling.temperature, self.warpers, rngs, self._buffers
-        )
-        policy.decoded_rows += len(rows)
-        policy.decoded_slots += len(live)
         out = []
-        going: dict[int, dict[int, list[_Row]]] = {}  # slot -> token -> its rows going on
-        ended: dict[tuple[int, ...], list[int]] = {}  # saved key -> [slot, rows that left it]
-        for j, row, t, lp in zip(of_row, rows, token.tolist(), logp.tolist(), strict=True):
-            row.tokens.append(t)
-            row.logps.append(lp)
-            if t in self.stop_ids:
-                reason = "stop"
-            elif (
-                self.stop_strings
-                and policy.may_end(t, self.finals)
-                and _has_stop(policy.tokenizer, row.tokens, self.stop_strings)
-            ):
-                reason = "stop_string"
-            elif len(row.tokens) >= row.max_new_tokens:
-                reason = "length"
-            else:
-                going.setdefault(j, {}).setdefault(t, []).append(row)
-                continue
-            ended.setdefault(row.prompt + tuple(row.tokens[:-1]), [j, 0])[1] += 1
-            text = policy.tokenizer.decode(row.tokens, skip_special_tokens=True)
-            out.append((row.key, Generation(row.tokens, row.logps, text, reason)))
-            self.live -= 1
-        for key, (j, n) in ended.items():  # kept in the policy for the episodes' next turns
-            policy.save(self._cache, j, self._mask[j], key, rows=n)
+        # slot -> (drafts taken, token) -> its rows going on with that token
+        going: dict[int, dict[tuple[int, int], list[_Row]]] = {}
+        ended: dict[tuple[int, ...], list[int]] = {}  # saved key -> [slot, rows, drafts taken]
+        drawing = [(j, row) for j, rows in enumerate(slots) for row in rows]
+        policy.decoded_rows += len(drawing)
+        policy.decoded_slots += sum(1 for rows in slots if rows)
+        at = 0  # the position drawn: after the slot's fed token, then after each draft
+        while drawing:  # rows whose draws so far were their slot's drafts
+            token, logp = self._draw(drawing, at)
+            policy.decoded_tokens += len(drawing)
+            taking = []
+            for (j, row), t, lp in zip(drawing, token.tolist(), logp.tolist(), strict=True):
+                row.tokens.append(t)
+                row.logps.append(lp)
+                drafts = self._drafts[j]
+                if at == 0 and drafts:  # drafted or not: was the lookup right?
+                    self._seen, self._agreed = self._seen + 1, self._agreed + (t == drafts[0])
+                reason = self._end_reason(row, t)
+                if reason is not None:
+                    ended.setdefault(row.prompt + tuple(row.tokens[:-1]), [j, 0, at])[1] += 1
+                    text = policy.tokenizer.decode(row.tokens, skip_special_tokens=True)
+                    out.append((row.key, Generation(row.tokens, row.logps, text, reason)))
+                    self.live -= 1
+                elif at < min(self._fed, len(drafts)) and t == drafts[at]:
+                    taking.append((j, row))  # the draft's key and value are in the cache
+                else:
+                    going.setdefault(j, {}).setdefault((at, t), []).append(row)
+            drawing, at = taking, at + 1
+        for key, (j, n, taken) in ended.items():  # kept for the episodes' next turns
+            policy.save(self._cache, j, self._taken_mask(j, taken), key, rows=n)
         if not self.live:
             self.slots, self._cache = [], None
             return out
-        # each slot goes on with its first token's rows; its other tokens' rows get copies
+        # each slot goes on with its first (drafts taken, token)'s rows; others get copies
         feed = [self.policy.pad_token_id] * len(slots)
-        parents: list[int] = []
+        taken, parents = [0] * len(slots), []
         for j in range(len(slots)):
-            by_token = going.get(j, {})
             slots[j] = []
-            for t, group in by_token.items():
+            for (k, t), group in going.get(j, {}).items():
                 if not slots[j]:
-                    slots[j], feed[j] = group, t
+                    slots[j], feed[j], taken[j] = group, t, k
                 else:  # (only with policy.share_slots: else a slot has one row)
                     parents.append(j)
                     slots.append(group)
                     feed.append(t)
+                    taken.append(k)
         if parents:  # room for every row going on to have a slot of its own
             self._add_slots(parents, len(slots) + self.live - len(going) - len(parents))
+        for s, j in enumerate(list(range(len(slots) - len(parents))) + parents):
+            if taken[s] < min(self._fed, len(self._drafts[j])):  # drafts not taken: masked
+                self._mask[s] = self._taken_mask(j, taken[s], self._mask[s])
+        self._next_pos = self._next_pos + torch.tensor(taken)
         token = torch.tensor(feed)
         alive = torch.tensor([bool(rows) for rows in slots])
         if len(slots) - int(alive.sum()) > self.dead_fraction * len(slots):
@@ -250,16 +271,108 @@ class Decoder:
             self._mask, self._next_pos = self._mask[index], self._next_pos[index]
             token, alive = token[index], alive[index]
             self.slots = slots = [rows for rows in slots if rows]
-        self._mask = torch.cat([self._mask, alive.long()[:, None]], dim=1)
-        self._logits, self._cache = decode_logits(
+        self._drafts, self._fed = self._new_drafts(slots, int(alive.sum()))
+        fed = [d[: self._fed] for d in self._drafts]
+        width = 1 + max(len(d) for d in fed)
+        ids = torch.full((len(slots), width), self.policy.pad_token_id)
+        new = torch.zeros((len(slots), width), dtype=torch.long)  # the new tokens' mask
+        ids[:, 0], new[:, 0] = token, alive.long()
+        for s, drafts in enumerate(fed):
+            if drafts:
+                ids[s, 1 : 1 + len(drafts)], new[s, 1 : 1 + len(drafts)] = torch.tensor(drafts), 1
+        self._mask = torch.cat([self._mask, new], dim=1)
+        positions = self._next_pos[:, None] + torch.arange(width)
+        self._logits, self._cache = decode_logits(  # (slots, width, V)
             policy.model,
             self._cache,
-            token[:, None].to(policy.device),
+            ids.to(policy.device),
             self._mask.to(policy.device),
-            self._next_pos[:, None].to(policy.device),
+            positions.to(policy.device),
         )
-        self._next_pos = self._next_pos + 1
+        self._next_pos, self._width = self._next_pos + 1, width
         return out
+
+    def _draw(self, drawing: list[tuple[int, _Row]], at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A token and its log-prob for each ``(slot, row)`` of ``drawing``, from the slot's
+        logits after its ``at``-th token of the last forward, with the row's generator."""
+        of_row = [j for j, _ in drawing]
+        logits = self._logits[:, at]  # (slots, V)
+        if of_row != list(range(len(logits))):  # not one row per slot, each drawing
+            logits = logits[torch.tensor(of_row, device=logits.device)]
+        rows = [row for _, row in drawing]
+        seeded = any(r.generator is not None for r in rows)
+        rngs = [r.generator for r in rows] if seeded else None
+        return _sample(logits, self.sampling.temperature, self.warpers, rngs, self._buffers)
+
+    def _end_reason(self, row: _Row, token: int) -> str | None:
+        """Why ``row``'s turn ends with ``token`` (just appended), or None."""
+        if token in self.stop_ids:
+            return "stop"
+        if (
+            self.stop_strings
+            and self.policy.may_end(token, self.finals)
+            and _has_stop(self.policy.tokenizer, row.tokens, self.stop_strings)
+        ):
+            return "stop_string"
+        if len(row.tokens) >= row.max_new_tokens:
+            return "length"
+        return None
+
+    def _taken_mask(self, j: int, taken: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot ``j``'s mask (or ``mask``, a copy of it) with the drafts after the first
+        ``taken`` of the last forward masked out: the slot's rows drew other tokens there."""
+        mask = self._mask[j] if mask is None else mask
+        drafts = min(self._fed, len(self._drafts[j]))
+        if taken >= drafts:
+            return mask
+        mask = mask.clone()
+        first = mask.shape[0] - self._width + 1  # the slot's first draft
+        mask[first + taken : first + drafts] = 0
+        return mask
+
+    def _new_drafts(self, slots: list[list[_Row]], running: int) -> tuple[list[list[int]], int]:
+        """Each slot's looked-up tokens (:func:`~agentenv.lm.drafting.lookup`), never more
+        than a row of the slot may still take, and how many of them the next forward
+        verifies (:meth:`_draft_length`). Without drafts, a token is looked up for the
+        first ``LOOKED_UP`` slots: whether rows then draw it is what drafting would gain."""
+        self._seen, self._agreed = self._seen * self.DECAY, self._agreed * self.DECAY
+        k = self._draft_length(running)
+        drafts: list[list[int]] = [[] for _ in slots]
+        if not self.policy.draft_tokens:
+            return drafts, 0
+        looked = 0
+        for s, rows in enumerate(slots):
+            if rows and (k or looked < self.LOOKED_UP):
+                room = min(r.max_new_tokens - len(r.tokens) for r in rows) - 1
+                drafts[s] = lookup(rows[0].prompt + tuple(rows[0].tokens), min(max(k, 1), room))
+                looked += 1
+        return drafts, k
+
+    def _draft_length(self, running: int) -> int:
+        """Drafts per slot (0 to ``policy.draft_tokens``) that give the most tokens per unit
+        of a forward's cost, for ``running`` slots, if that is ``DRAFT_GAIN`` times what no
+        drafts give: a forward of ``T`` tokens costs ``1 + T / STEP_TOKENS``, and a slot
+        with ``k`` drafts takes ``1 + a + ... + a^k`` tokens, ``a`` the share of rows whose
+        next token was their slot's first looked-up one."""
+        a = (self._agreed + 1) / (self._seen + 2)  # (a prior of 1/2, worth 2 rows)
+        best, length = self.DRAFT_GAIN * running / (1 + running / self.STEP_TOKENS), 0
+        for k in range(1, self.policy.draft_tokens + 1):
+            tokens = running * sum(a**i for i in range(k + 1))
+            rate = tokens / (1 + running * (1 + k) / self.STEP_TOKENS)
+            if rate > best:
+                best, length = rate, k
+        return length
+
+    # A forward of SmolLM2 in bf16 on a 2-core CPU over ~700 cached tokens costs ~28 ms
+    # (reading the weights) plus ~1.15-1.5 ms a token (its linear layers' compute) and
+    # ~0.6 ms a slot (its cache): 1 x 5 tokens 29.5 ms as 1 x 1 29.3; 8 x 1 38.1, 8 x 2
+    # 45.6, 8 x 5 72.8; 32 x 1 85.5, 32 x 2 122.8 (medians of 9). At 8 slots of fixed work
+    # (the lookup right for a third of the rows) a draft each cost more than it gained, so
+    # drafts must be expected to gain 15%, at a cost counted on the high side.
+    STEP_TOKENS = 16
+    DRAFT_GAIN = 1.15
+    DECAY = 0.9  # per step, of the counts behind the lookup's hit rate: ~10 steps' worth
+    LOOKED_UP = 16
 
     def _add_slots(self, parents: list[int], room: int) -> None:
         """Append a copy of each slot in ``parents`` (its KV cache, mask and position) to

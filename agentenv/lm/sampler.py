@@ -17,6 +17,11 @@ model's forward pass instead of ``model.generate``, because that lets it:
 * **decode rows that have drawn the same tokens once** (on a CPU): rows whose tokens so far
   are the same (a group's episodes writing the same search call) share one sequence of
   the batch until they draw different tokens (:mod:`agentenv.lm.decoding`).
+* **take several tokens a step where a row copies its context** (on a CPU): tokens that
+  followed the row's last few tokens earlier in its context (a tool call's JSON, the
+  question, a passage) are drafted and verified in the same forward; a row keeps those it
+  draws itself, so its tokens are those of drawing one at a time
+  (:mod:`agentenv.lm.drafting`).
 * **continue an episode from its cache.** The KV cache of every sequence a call returns
   is kept until the next call; a prompt that extends one (the same episode's next turn:
   its last turn plus the environment's reply) starts from it, so only the new tokens are
@@ -54,6 +59,7 @@ from typing import Any
 
 import torch
 
+from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import append_cache, cached_forward, sampler_attention
 from agentenv.lm.decoding import Decoder, drain, merge_caches, plain_layers
 from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
@@ -85,6 +91,13 @@ class TransformersPolicy:
             batch (:mod:`agentenv.lm.decoding`). None: on a CPU, where a decode step's
             time grows with its rows; not on a GPU, where it barely does and each split
             of a shared sequence costs launches and host-device copies.
+        draft_tokens: At most this many tokens a decode step drafts for each sequence
+            from its own context and verifies in the same forward
+            (:mod:`agentenv.lm.drafting`): a sequence takes several tokens a step where
+            it copies its prompt, and exactly the tokens it would draw one at a time.
+            Each step drafts as many as are expected to pay for the longer forward, from
+            how often rows drew the looked-up token (``Decoder._draft_length``). None: 4
+            on a CPU, 0 on a GPU (not measured there).
 
     Attributes:
         prefill_s: Seconds spent prefilling since construction (prompts, and the
@@ -95,6 +108,8 @@ class TransformersPolicy:
         decoded_rows: Rows decoded, summed over decode steps since construction.
         decoded_slots: Sequences the model ran for them: rows whose tokens so far are the
             same share one (:mod:`agentenv.lm.decoding`).
+        decoded_tokens: Tokens those rows drew: more than ``decoded_rows`` where drafts
+            were taken.
     """
 
     def __init__(
@@ -108,6 +123,7 @@ class TransformersPolicy:
         reuse_cache: bool = True,
         split_prefill: bool | None = None,
         share_slots: bool | None = None,
+        draft_tokens: int | None = None,
     ):
         self.trained = model
         self.reuse_cache = reuse_cache
@@ -121,6 +137,11 @@ class TransformersPolicy:
         self.dtype = resolve_dtype(dtype, self.device)
         self.split_prefill = self.device.type == "cpu" if split_prefill is None else split_prefill
         self.share_slots = self.device.type == "cpu" if share_slots is None else share_slots
+        if draft_tokens is None:
+            draft_tokens = 4 if self.device.type == "cpu" else 0
+        if draft_tokens < 0:
+            raise InvalidOptionError(f"draft_tokens must be >= 0, got {draft_tokens}")
+        self.draft_tokens = draft_tokens
         if stop_token_ids is None:
             stop_token_ids = default_stop_ids(model, tokenizer)
         self.stop_token_ids = list(stop_token_ids)
@@ -130,7 +151,7 @@ class TransformersPolicy:
         self.model = sampling_copy(model, self.dtype, self.device)  # what we sample from
         self._version = trainable_version(self._trainable)
         self.prefill_s, self.prefill_tokens = 0.0, 0
-        self.decoded_rows = self.decoded_slots = 0
+        self.decoded_rows = self.decoded_slots = self.decoded_tokens = 0
 
     @torch.no_grad()
     def sync(self) -> None:

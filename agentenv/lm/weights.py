@@ -400,7 +400,8 @@ class PackedConcat(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
 
     def exact(self, rows: int) -> bool:
-        """Whether, for an input of ``rows`` rows (``(rows, 1, in)``, a decode step), this
+        """Whether, for an input of ``rows`` rows (``(rows, 1, in)``, a decode step; a
+        step of ``q`` tokens per row is ``b * q`` rows to the matmul), this
         gives the layers' outputs bitwise. Checked once per shapes, dtype, number of rows
         and of threads (what oneDNN picks its kernel by, not the values): random inputs
         through both, 2^18 output values in all. Summed in another order, about one

@@ -107,7 +107,9 @@ def collect(
         bundled sampler), ``rollout/prefill_s`` (the part of ``generate_s`` spent reading
         prompts and env replies), ``rollout/prefill_tokens`` (the tokens read) and
         ``rollout/rows_per_slot`` (rows decoded per sequence the model ran: rows whose
-        tokens so far are the same share one, :mod:`agentenv.lm.decoding`).
+        tokens so far are the same share one, :mod:`agentenv.lm.decoding`) and
+        ``rollout/tokens_per_step`` (tokens a row drew per decode step: above 1 where it
+        took drafted tokens, :mod:`agentenv.lm.drafting`).
     """
     start = time.perf_counter()
     prefilled = _prefill_totals(policy)
@@ -264,18 +266,19 @@ def collect(
         "rollout/env_errors": float(clock.env_errors),
     }
     if prefilled is not None:
-        seconds, read, rows, slots = _prefill_totals(policy)
+        seconds, read, rows, slots, drawn = _prefill_totals(policy)
         metrics["rollout/prefill_s"] = seconds - prefilled[0]
         metrics["rollout/prefill_tokens"] = float(read - prefilled[1])
         if slots > prefilled[3]:
             metrics["rollout/rows_per_slot"] = (rows - prefilled[2]) / (slots - prefilled[3])
+            metrics["rollout/tokens_per_step"] = (drawn - prefilled[4]) / (rows - prefilled[2])
     return groups, metrics
 
 
-def _prefill_totals(policy: PolicyBackend) -> tuple[float, int, int, int] | None:
-    """The policy's prefill seconds and tokens, rows decoded and slots run so far (None:
-    it does not count them)."""
-    names = ("prefill_s", "prefill_tokens", "decoded_rows", "decoded_slots")
+def _prefill_totals(policy: PolicyBackend) -> tuple[float, int, int, int, int] | None:
+    """The policy's prefill seconds and tokens, rows decoded, slots run and tokens drawn
+    so far (None: it does not count them)."""
+    names = ("prefill_s", "prefill_tokens", "decoded_rows", "decoded_slots", "decoded_tokens")
     totals = [getattr(policy, name, None) for name in names]
     return None if any(t is None for t in totals) else tuple(totals)  # type: ignore[return-value]
 

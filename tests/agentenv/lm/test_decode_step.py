@@ -77,14 +77,46 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
                 model, ref_cache, input_ids=token, attention_mask=m, position_ids=p
             )
             pos = pos + 1
-            assert logits.shape == (len(mask), model.config.vocab_size)
-            assert torch.equal(logits, ref[:, -1])
+            assert logits.shape == (len(mask), 1, model.config.vocab_size)
+            assert torch.equal(logits, ref)
+            logits = logits[:, -1]
     for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
         assert torch.equal(layer.keys, ref_layer.keys) and torch.equal(
             layer.values, ref_layer.values
         )
     assert (fused is not None) == weights.packs_linears(device, model.dtype)
     assert len(calls) == (6 * len(model.model.layers) if used else 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_step_of_several_tokens_gives_the_forwards_logits_bitwise(
+    sharp_model, tokenizer, device, dtype
+):
+    """Several tokens per row (a token and drafted ones to verify), causal among them,
+    after masked gaps and a masked slot among an earlier step's tokens (a rejected
+    draft): the direct path's logits ``(b, q, V)`` and cache are the forward's, bitwise."""
+    policy = TransformersPolicy(on(sharp_model, device), tokenizer, dtype=dtype)
+    model, dev = policy.model, policy.device
+    with policy.decoding():
+        cache, mask, logits, pos, _ = policy.prefill(rows(tokenizer))
+        ref_cache = copy.deepcopy(cache)
+        for q in (3, 4):
+            token = torch.randint(0, 100, (3, q), generator=torch.Generator().manual_seed(q))
+            mask = torch.cat([mask, torch.ones((3, q), dtype=torch.long)], dim=1)
+            p = pos[:, None] + torch.arange(q)
+            m, p, token = mask.to(dev), p.to(dev), token.to(dev)
+            assert decode_step._direct(model, cache, token, m)
+            logits, cache = decode_logits(model, cache, token, m, p)
+            ref, ref_cache = cached_forward(
+                model, ref_cache, input_ids=token, attention_mask=m, position_ids=p
+            )
+            assert logits.shape == (3, q, model.config.vocab_size)
+            assert torch.equal(logits, ref)
+            mask[1, -1] = 0  # row 1's last token is dropped: later steps must not see it
+            pos = pos + q - torch.tensor([0, 1, 0])
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
+        assert torch.equal(layer.keys, ref_layer.keys)
 
 
 @pytest.mark.parametrize("hooked", ["q_proj", "q_proj.base_layer"])
@@ -114,7 +146,8 @@ def test_a_hooked_projection_is_called_not_packed(sharp_model, tokenizer, hooked
                     position_ids=pos[:, None],
                 )
                 pos = pos + 1
-                assert torch.equal(logits, ref[:, -1])
+                assert torch.equal(logits, ref)
+                logits = logits[:, -1]
     finally:
         handle.remove()
     assert len(calls) == 6  # three steps, ours and the reference's
@@ -149,7 +182,7 @@ def test_a_hooked_model_runs_its_own_forward(sharp_model, tokenizer):
             )
     finally:
         handle.remove()
-    assert torch.equal(got, ref[:, -1]) and len(calls) == 2  # the reference's call and ours
+    assert torch.equal(got, ref) and len(calls) == 2  # the reference's call and ours
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -607,11 +607,13 @@ def test_rows_sharing_a_slot_until_they_part_decode_as_they_would_alone(
     apart = TransformersPolicy(model, tokenizer, dtype="float32", share_slots=False)
     separate = apart.generate(batch, PARTING, seeds=seeds)  # a slot per row: the same
     assert [g.token_ids for g in separate] == [g.token_ids for g in got]
-    assert apart.decoded_slots == apart.decoded_rows == policy.decoded_rows
+    assert apart.decoded_slots == apart.decoded_rows  # (drafts: fewer rows than tokens)
+    assert apart.decoded_tokens == policy.decoded_tokens == sum(len(g.token_ids) for g in got)
     for prompt, seed, generation in zip(batch, seeds, got, strict=True):
         alone = TransformersPolicy(model, tokenizer, dtype="float32")
         expected = alone.generate([prompt], PARTING, seeds=[seed])[0]
-        assert alone.decoded_slots == alone.decoded_rows == len(expected.token_ids)
+        assert alone.decoded_slots == alone.decoded_rows <= len(expected.token_ids)
+        assert alone.decoded_tokens == len(expected.token_ids)
         assert generation.token_ids == expected.token_ids
         torch.testing.assert_close(
             torch.tensor(generation.sampler_logprobs),
@@ -655,7 +657,9 @@ def test_rows_that_end_together_save_one_cache_that_each_continuation_uses(tiny_
     prefilled); the last one uses it up."""
     greedy = SamplingConfig(max_new_tokens=4, temperature=0.0, stop_strings=[])
     first = prompts(tokenizer)[0]
-    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32", share_slots=True)
+    policy = TransformersPolicy(
+        tiny_model, tokenizer, dtype="float32", share_slots=True, draft_tokens=0
+    )
     decoder = policy.decoder(greedy)
     for key in "abc":
         decoder.add(key, first, seed=0)

@@ -48,19 +48,20 @@ def make_env():
     return agentenv.make("Calculator-v0", source="basic_arithmetic", num_tasks=50)
 
 
-def rollout(model, tokenizer, dtype="float32", **kwargs):
+def rollout(model, tokenizer, dtype="float32", draft_tokens=None, **kwargs):
     sampling = kwargs.pop("sampling", SamplingConfig(max_new_tokens=12))
     config = RolloutConfig(
         group_size=3, max_turns=2, sampling=sampling, show_progress=False, **kwargs
     )
-    policy = RecordingPolicy(model, tokenizer, dtype=dtype)
+    policy = RecordingPolicy(model, tokenizer, dtype=dtype, draft_tokens=draft_tokens)
     groups, metrics = collect(make_env, [4, 9], policy, ChatFormat(tokenizer), config)
     return policy, groups, metrics
 
 
 @pytest.mark.parametrize("batching", ["lockstep", "continuous"])
 def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, batching):
-    policy, groups, metrics = rollout(tiny_model, tokenizer, batching=batching)
+    # (without drafts: a decode step is one token per row, as counted by hand below)
+    policy, groups, metrics = rollout(tiny_model, tokenizer, batching=batching, draft_tokens=0)
     assert [len(g) for g in groups] == [3, 3]
     for b, group in enumerate(groups):
         prompts = {tuple(e.input_ids[: e.policy_spans()[0][0]]) for e in group}
@@ -86,6 +87,7 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, batchi
         "rollout/prefill_s",
         "rollout/prefill_tokens",
         "rollout/rows_per_slot",
+        "rollout/tokens_per_step",
     }
     assert metrics["rollout/env_errors"] == 0
     assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes)
@@ -113,6 +115,7 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, batchi
         for t in range(max(len(tokens) for _, tokens in seqs)):
             alive = [(prompt, tokens[:t]) for prompt, tokens in seqs if len(tokens) > t]
             rows, slots = rows + len(alive), slots + len(set(alive))
+    assert metrics["rollout/tokens_per_step"] == 1.0
     if batching == "lockstep":
         assert metrics["rollout/rows_per_slot"] == pytest.approx(rows / slots) and slots < rows
     else:
