@@ -336,11 +336,10 @@ class Decoder:
         verifies (:meth:`_draft_length`). Without drafts, a token is looked up for the
         first ``LOOKED_UP`` slots: whether rows then draw it is what drafting would gain."""
         self._seen, self._agreed = self._seen * self.DECAY, self._agreed * self.DECAY
-        k = self._draft_length(running)
         drafts: list[list[int]] = [[] for _ in slots]
-        if not self.policy.draft_tokens:
-            return drafts, 0
-        looked = 0
+        if not self.policy.draft_tokens or not self.mergeable:
+            return drafts, 0  # (a sliding window would count rejected drafts' slots)
+        k, looked = self._draft_length(running), 0
         for s, rows in enumerate(slots):
             if rows and (k or looked < self.LOOKED_UP):
                 room = min(r.max_new_tokens - len(r.tokens) for r in rows) - 1

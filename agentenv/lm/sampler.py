@@ -96,8 +96,9 @@ class TransformersPolicy:
             (:mod:`agentenv.lm.drafting`): a sequence takes several tokens a step where
             it copies its prompt, and exactly the tokens it would draw one at a time.
             Each step drafts as many as are expected to pay for the longer forward, from
-            how often rows drew the looked-up token (``Decoder._draft_length``). None: 4
-            on a CPU, 0 on a GPU (not measured there).
+            how often rows drew the looked-up token (``Decoder._draft_length``); caches
+            of full-attention layers only. None: 4 on a CPU, 0 on a GPU (not measured
+            there).
 
     Attributes:
         prefill_s: Seconds spent prefilling since construction (prompts, and the

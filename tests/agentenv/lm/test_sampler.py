@@ -623,10 +623,12 @@ def test_rows_sharing_a_slot_until_they_part_decode_as_they_would_alone(
         )
 
 
-def test_rows_of_a_model_with_sliding_windows_keep_a_slot_each(tokenizer):
+def test_rows_of_a_model_with_sliding_windows_keep_a_slot_each(tokenizer, monkeypatch):
     """A cache of sliding-window layers cannot copy a slot's rows when it splits: its rows
-    each keep their own slot (and decode as they would alone)."""
+    each keep their own slot, take no drafts (and decode as they would alone)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from agentenv.lm import decoding
 
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -645,8 +647,18 @@ def test_rows_of_a_model_with_sliding_windows_keep_a_slot_each(tokenizer):
     assert set(model.config.layer_types) == {"sliding_attention"}
     first = prompts(tokenizer)[0]
     policy = TransformersPolicy(model, tokenizer, dtype="float32", share_slots=True)
+    widths = []  # tokens per row of each decode step's forward
+    step = decoding.decode_logits
+    monkeypatch.setattr(decoding.Decoder, "_draft_length", lambda self, running: 4)
+    monkeypatch.setattr(decoding, "lookup", lambda context, k: list(context[-k:]))
+    monkeypatch.setattr(
+        decoding,
+        "decode_logits",
+        lambda m, c, ids, *a: widths.append(ids.shape[1]) or step(m, c, ids, *a),
+    )
     got = policy.generate([first] * 3, PARTING, seeds=[0, 1, 2])
     assert policy.decoded_slots == policy.decoded_rows > 0
+    assert set(widths) == {1}  # nor drafts: rejected ones would take slots of the window
     alone = TransformersPolicy(model, tokenizer, dtype="float32")
     assert got[1].token_ids == alone.generate([first], PARTING, seeds=[1])[0].token_ids
 
