@@ -4,7 +4,8 @@
     python benchmarks/drafting.py --env Calculator-v0 --env-kwargs '{"source": "word_problems"}'
 
 Collects ``--tasks`` tasks x ``--group-size`` episodes (the RAG recipe's rollout settings
-by default: compact prompt, 3 turns of up to 48 tokens, temperature 0.7), with the
+by default: compact prompt, 3 turns of up to 48 tokens, temperature 0.7, lock-step
+collection; ``--batching continuous`` for the rollout engine), with the
 sampler's drafts off (``draft_tokens=0``) and on (``--draft-tokens``), alternating, for
 ``--rounds`` rounds of two task sets, in one process. It prints each collection's
 prefill and decoding seconds and the tokens a row took per decode step, then the
@@ -33,6 +34,7 @@ def collect_once(policy: Any, fmt: Any, args: argparse.Namespace, tasks: list[in
         max_episode_tokens=1024,
         sampling=agentenv.SamplingConfig(args.max_new_tokens, temperature=args.temperature),
         show_progress=False,
+        batching=args.batching,
     )
     kwargs = json.loads(args.env_kwargs)
     t0 = time.perf_counter()
@@ -63,6 +65,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--batching", default="lockstep", choices=["lockstep", "continuous"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=5)

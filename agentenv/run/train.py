@@ -299,9 +299,6 @@ def train(
     finally:  # an engine that holds resources (a vLLM engine, a server's adapter)
         if hasattr(policy, "close"):
             policy.close()
-    if world > 1:  # every process leaves the process group together before it exits (a
-        acc.wait_for_everyone()  # process that exits with it still set up may abort)
-        acc.end_training()
     if not main:
         return run_dir
     if after is not None:
