@@ -141,7 +141,10 @@ class TransformersPolicy:
         if draft_tokens is None:
             draft_tokens = 4 if self.device.type == "cpu" else 0
         if draft_tokens < 0:
-            raise InvalidOptionError(f"draft_tokens must be >= 0, got {draft_tokens}")
+            raise InvalidOptionError(
+                f"draft_tokens must be >= 0 (0 turns drafting off, None picks by device), "
+                f"got {draft_tokens}"
+            )
         self.draft_tokens = draft_tokens
         if stop_token_ids is None:
             stop_token_ids = default_stop_ids(model, tokenizer)

@@ -59,6 +59,13 @@ def test_drafts_per_slot_are_those_with_the_most_tokens_per_cost(
     assert decoder._draft_length(running) == length
 
 
+def test_a_negative_number_of_drafts_is_refused_with_the_fix(tiny_model, tokenizer):
+    from agentenv.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match=r"draft_tokens must be >= 0 \(0 turns"):
+        TransformersPolicy(tiny_model, tokenizer, draft_tokens=-1)
+
+
 def _close(got, expected):
     assert [g.token_ids for g in got] == [g.token_ids for g in expected]
     for g, e in zip(got, expected, strict=True):
