@@ -328,7 +328,7 @@ class AppendCacheLayer(DynamicLayer):
         if self._k is None:
             return
         b, add = self._k.shape[0], len(indices)
-        spare = getattr(self, "_spare_rows", None)
+        spare = self._spare_rows
         if spare is None or len(spare[0]) < b + add:
             rows = max(capacity, b + add)
             spare = (

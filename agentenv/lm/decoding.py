@@ -188,8 +188,9 @@ class Decoder:
         else:  # a slot per row
             if len(index) > len(logits):
                 rows = torch.tensor(index)
-                cache.batch_select_indices(rows.to(logits.device))
-                logits, mask, next_pos = logits[rows.to(logits.device)], mask[rows], next_pos[rows]
+                at = rows.to(logits.device)
+                cache.batch_select_indices(at)
+                logits, mask, next_pos = logits[at], mask[rows], next_pos[rows]
             slots = [[row] for row in new]
         if self.live:  # ended slots are left out of the merged batch
             alive = torch.tensor([j for j, rows in enumerate(self.slots) if rows])
