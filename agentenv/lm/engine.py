@@ -66,6 +66,12 @@ class EngineConfig:
         "every optimizer step. server: an OpenAI-compatible server elsewhere (vllm serve; "
         "see server_url), the trained LoRA adapter loaded into it after every step.",
     )
+    draft_tokens: int | None = option(
+        None,
+        "agentenv: most tokens drafted from the context (prompt lookup) and verified in one "
+        "decode step; exact: each row takes the tokens drawing one at a time gives. None: "
+        "4 on a CPU, 0 on a GPU (not measured there); 0: off.",
+    )
     vllm_kv_cache_gb: float = option(2.0, "vllm: GiB of KV cache it reserves (CPU: of RAM).")
     vllm_max_model_len: int = option(
         4096, "vllm: longest sequence (prompt and every turn of an episode) it accepts."
@@ -103,6 +109,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise InvalidOptionError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.draft_tokens is not None and self.draft_tokens < 0:
+            raise InvalidOptionError(
+                f"draft_tokens must be >= 0 (0 turns drafting off; leave it unset to pick by "
+                f"device), got {self.draft_tokens}"
+            )
         if self.vllm_kv_cache_gb <= 0:
             raise InvalidOptionError(f"vllm_kv_cache_gb must be > 0, got {self.vllm_kv_cache_gb}")
         if self.vllm_max_model_len < 1:

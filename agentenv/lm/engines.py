@@ -71,7 +71,7 @@ def make_policy(
     if config.engine == "agentenv":
         from agentenv.lm.sampler import TransformersPolicy
 
-        return TransformersPolicy(model, tokenizer, dtype=compute)
+        return TransformersPolicy(model, tokenizer, dtype=compute, draft_tokens=config.draft_tokens)
     if config.engine == "server":
         from agentenv.lm.server_engine import ServerPolicy
 
