@@ -100,3 +100,30 @@ def test_sampling_copy_packs_each_attention_layers_projections_as_one(tiny_model
         att = layer.self_attn
         assert isinstance(att.q_proj, weights._LoRALinear) and not att.q_proj.folded
         assert att.packed_qkv.layers == (att.q_proj.base_layer, att.k_proj, att.v_proj)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("float_add_from", [1, weights.ADD_IN_FLOAT32])
+def test_add_update_gives_the_values_of_an_in_place_add(dtype, view, float_add_from, monkeypatch):
+    """A LoRA update (float32) added into a layer's output: bit for bit what
+    ``y.add_(delta)`` gives, also into a column slice (the decode step's packed q, k, v),
+    at rounding ties and with infinities and NaNs; by the float32 add (from 1 element)
+    and by ``add_`` itself (this small a tensor, by default)."""
+    monkeypatch.setattr(weights, "ADD_IN_FLOAT32", float_add_from)
+    generator = torch.Generator().manual_seed(0)
+    y = (torch.randn((4, 7, 48), generator=generator) * 3).to(dtype)
+    delta = torch.randn((4, 7, 48), generator=generator) * 1e-2
+    # exact ties of y's rounding (half the gap after 1), either sign; a tiny update
+    tie = torch.finfo(dtype).eps / 2
+    y[0, 0, 8:12] = torch.tensor([1.0, 1.0, -1.0, 3.0], dtype=dtype)
+    delta[0, 0, 8:12] = torch.tensor([tie, 3 * tie, -tie, 1e-30])
+    delta[0, 1, 8:11] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    if view:  # columns 8 to 39: not contiguous
+        y, delta = y[..., 8:40], delta[..., 8:40]
+    expected = y.clone().add_(delta)
+    out = weights.add_update(y, delta)
+    assert out is y and out.dtype == dtype
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan) and nan.sum() == 1
+    assert torch.equal(out[~nan], expected[~nan])
