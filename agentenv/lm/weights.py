@@ -8,6 +8,7 @@ it after an optimizer step:
   small update rounds away (72% of an SFT adapter's update, by norm, on SmolLM2) and the
   sampler would draw from another policy than the one trained. Frozen weights already in
   the sampling dtype (a LoRA run's base) are shared with the trained model, not copied.
+  The float32 update is added into a bfloat16 output by :func:`add_update`.
   In float32 on a CPU the update is folded into the *packed* copy of the weights only
   (below): float32 keeps it, and the decode step saves the low-rank matmuls.
 * **FSDP2-sharded parameters** (``fully_shard``, accelerate's ``fsdp_version: 2``) are
