@@ -114,6 +114,11 @@ class EngineConfig:
                 f"draft_tokens must be >= 0 (0 turns drafting off; leave it unset to pick by "
                 f"device), got {self.draft_tokens}"
             )
+        if self.draft_tokens is not None and self.engine != "agentenv":
+            raise InvalidOptionError(
+                f"draft_tokens is the agentenv engine's (its drafted tokens), not engine "
+                f"{self.engine!r}'s; unset it, or use engine agentenv"
+            )
         if self.vllm_kv_cache_gb <= 0:
             raise InvalidOptionError(f"vllm_kv_cache_gb must be > 0, got {self.vllm_kv_cache_gb}")
         if self.vllm_max_model_len < 1:

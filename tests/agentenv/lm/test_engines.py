@@ -19,3 +19,8 @@ def test_a_negative_draft_count_is_refused_with_the_fix():
         InvalidOptionError, match=r"draft_tokens must be >= 0 .*0 turns drafting off.*got -1"
     ):
         EngineConfig(draft_tokens=-1)
+
+
+def test_draft_tokens_with_another_engine_is_refused():
+    with pytest.raises(InvalidOptionError, match=r"draft_tokens is the agentenv engine's.*'vllm'"):
+        EngineConfig(engine="vllm", draft_tokens=0)
