@@ -63,6 +63,7 @@ from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import append_cache, cached_forward, sampler_attention
 from agentenv.lm.decoding import Decoder, drain, merge_caches, plain_layers
 from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
+from agentenv.lm.models import limit_onednn_cache
 from agentenv.lm.precision import resolve_dtype
 from agentenv.lm.weights import release_packed, sampling_copy, sync_weights, trainable_version
 
@@ -126,6 +127,7 @@ class TransformersPolicy:
         share_slots: bool | None = None,
         draft_tokens: int | None = None,
     ):
+        limit_onednn_cache()  # before the sampling copy's first bfloat16 product
         self.trained = model
         self.reuse_cache = reuse_cache
         self._saved: dict[tuple[int, ...], list[Any]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -210,6 +211,28 @@ def test_local_folder_is_passed_through(tokenizer, tiny_model, tmp_path):
     model, tok = load(str(tmp_path), dtype="bfloat16")
     assert model.dtype == torch.bfloat16 and not model.training
     assert tok.padding_side == "left" and len(tok) == len(tokenizer)
+
+
+def test_onednn_cache_is_limited_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    models.limit_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(models.ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    models.limit_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+
+
+def test_load_and_the_sampler_limit_the_onednn_cache(tokenizer, tiny_model, tmp_path, monkeypatch):
+    from agentenv.lm.sampler import TransformersPolicy
+
+    tiny_model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    load(str(tmp_path))
+    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == str(models.ONEDNN_CACHE_CAPACITY)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == str(models.ONEDNN_CACHE_CAPACITY)
 
 
 # --- tiny_model ---------------------------------------------------------------------------
