@@ -68,12 +68,34 @@ def test_sdpa_over_buffers_decodes_each_kv_heads_group_without_copying_the_cache
     out, _ = sdpa_over_buffers(module, query, key, value, mask)
     assert out.shape == (3, 1, 6, 8)
     torch.testing.assert_close(out, reference(query, key, value, full), atol=1e-6, rtol=1e-5)
-    monkeypatch.undo()
     query, key, value = (t.detach() for t in qkv(q=5, length=12))
     mask = torch.ones(3, 1, 5, 9, dtype=torch.bool).tril(4)
     out, _ = sdpa_over_buffers(module, query, key, value, mask)
     expected = reference(query, key, value, F.pad(mask, (0, 3)))
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_over_buffers_prefills_grouped_heads_bitwise_as_transformers_does(monkeypatch, dtype):
+    """Several queries per row (a prefill after a cached part, drafted tokens verified)
+    on a CPU: the kernel reads each KV head for its query group (``enable_gqa``), where
+    transformers' call copies the KV heads once per query head first: bitwise its
+    outputs, without the copies."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, key, value = (t.detach() for t in qkv(b=4, h=9, kv=3, q=7, length=40, d=16, dtype=dtype))
+    mask = torch.ones(4, 1, 7, 36, dtype=torch.bool).tril(29)  # 36 slots + 4 spare
+    mask[1, ..., 3:20] = False  # row 1: a gap after its cached part
+    mask[2, ..., :29] = False  # row 2: nothing cached, left-padded: a query sees no key
+    mask[2, ..., 0, :] = False
+    expected, _ = sdpa.sdpa_attention_forward(module, query, key, value, F.pad(mask, (0, 4)))
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda *a: pytest.fail("repeated the KV cache"))
+    out, _ = sdpa_over_buffers(module, query, key, value, mask)
+    assert out.shape == (4, 7, 9, 16) and out.dtype == dtype
+    assert torch.equal(out, expected)
+    assert not out.isnan().any()
 
 
 def test_bf16_stays_within_bf16_rounding_of_float32():
