@@ -246,7 +246,9 @@ def sampler_attention(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     ``AppendCacheLayer.SPARE`` slots at a time, where a concatenated cache hands SDPA a new
     key length every decode step, and a GPU pays one-time costs for every new shape (an
     H200 ran the first batch at a shape 2.5-3.3x slower than the same batch again)."""
-    if not _sdpa(model):
+    config = getattr(model, "config", None)
+    ours = getattr(config, "_attn_implementation", None) in (CPU_BF16_ATTENTION, CACHE_ATTENTION)
+    if not (_sdpa(model) or ours):  # ours: SDPA's values too (a trainer switched it)
         return None
     if dtype == torch.bfloat16 and _device_type(model) == "cpu" and not fused_bf16_attention_pays():
         return register()

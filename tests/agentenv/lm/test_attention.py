@@ -173,7 +173,8 @@ def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(
     tokenizer, monkeypatch, dtype, amx, expected
 ):
     """bfloat16: grouped attention, or the fused kernel over the buffers on a CPU where
-    it is the faster one (AMX); float32: the fused kernel over the buffers."""
+    it is the faster one (AMX); float32: the fused kernel over the buffers. The same for
+    a model a trainer switched to grouped attention (the sampler copies its config)."""
     from agentenv.lm import attention
     from agentenv.lm.attention import append_cache, sampler_attention
 
@@ -182,6 +183,9 @@ def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(
     assert sampler_attention(model, dtype) == expected
     model.config._attn_implementation = expected
     assert all(type(layer) is AppendCacheLayer for layer in append_cache(model).layers)
+    learner = tiny_model(tokenizer)  # the trainer's model, switched to grouped attention
+    assert use_cpu_bf16_attention(learner, torch.bfloat16)
+    assert sampler_attention(learner, dtype) == expected
     model.config._attn_implementation = "eager"  # a model that asked for its own attention
     assert sampler_attention(model, dtype) is None and append_cache(model) is None
 
