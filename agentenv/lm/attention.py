@@ -8,10 +8,7 @@ backward is 3x slower than two plain matmuls for a GRPO micro-batch (27 ms vs 9 
 layer for 8 rows of 128 tokens over a 361-token cache). :func:`grouped_attention`
 computes attention as two grouped matmuls instead; :func:`use_cpu_bf16_attention`
 switches a model to it. The sampler and the learner computing attention the same way
-also keeps the sampler's log-probs closer to the learner's. Those figures are from a CPU
-without AMX (an AMD EPYC with avx512_bf16); on one with AMX the fused kernel runs its
-products on the AMX tiles and is the faster one for sampling
-(:func:`fused_bf16_attention_pays`).
+also keeps the sampler's log-probs closer to the learner's.
 """
 
 from __future__ import annotations
@@ -216,41 +213,19 @@ def _device_type(model: torch.nn.Module) -> str:
     return next(model.parameters()).device.type
 
 
-def fused_bf16_attention_pays() -> bool:
-    """Whether PyTorch's fused CPU attention kernel is the faster one in bfloat16 on this
-    CPU: where it has AMX tiles (Intel Xeon from Sapphire Rapids on), whose bfloat16
-    matrix products the kernel runs on. Measured on a 2-core Xeon with AMX, against
-    :func:`grouped_attention`, per layer: a decode step of 8 rows over 400 cached slots
-    0.15 against 0.25 ms, 8 rows prefilling 250 tokens over 400 slots 4.9 against 20 ms;
-    sampling SmolLM2's fixed work (8 rows, 128 tokens) 131 -> 170 tok/s. Without AMX
-    (an AMD EPYC with avx512_bf16) the kernel was 8x slower at a decode step (the module
-    docstring)."""
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def sampler_attention(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     """The attention the sampler decodes ``model`` with (registered with transformers),
     None for the model's own (a model that does not use SDPA). Both choices decode over
     in-place KV caches (:func:`append_cache`): :func:`grouped_attention` on a CPU in
-    bfloat16 where the fused kernel is slow there (no AMX:
-    :func:`fused_bf16_attention_pays`), :func:`sdpa_over_buffers` otherwise (a CPU in
-    float32 or with AMX, a GPU in any dtype). The learner keeps
-    :func:`grouped_attention` on every CPU in bfloat16: with AMX its forward and backward
-    took about as long as the fused kernel's (8 rows of 361 tokens: 59 against 60 ms a
-    layer; of 489 tokens: 89 against 77 ms; 4 rows of 700: 112 against 113 ms).
+    bfloat16, :func:`sdpa_over_buffers` otherwise (a CPU in float32, a GPU in any dtype).
 
     On a GPU the in-place cache also keeps the attention's shapes still: its buffers grow
     ``AppendCacheLayer.SPARE`` slots at a time, where a concatenated cache hands SDPA a new
     key length every decode step, and a GPU pays one-time costs for every new shape (an
     H200 ran the first batch at a shape 2.5-3.3x slower than the same batch again)."""
-    config = getattr(model, "config", None)
-    ours = getattr(config, "_attn_implementation", None) in (CPU_BF16_ATTENTION, CACHE_ATTENTION)
-    if not (_sdpa(model) or ours):  # ours: SDPA's values too (a trainer switched it)
+    if not _sdpa(model):
         return None
-    if dtype == torch.bfloat16 and _device_type(model) == "cpu" and not fused_bf16_attention_pays():
+    if dtype == torch.bfloat16 and _device_type(model) == "cpu":
         return register()
     return register_cache_attention()
 

@@ -122,17 +122,14 @@ def test_a_cpu_model_switches_only_for_a_bf16_compute_dtype(tokenizer, dtype, ex
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    ("dtype", "amx", "tolerance"),
-    [("bfloat16", False, 1e-2), ("bfloat16", True, 1e-2), ("float32", False, 1e-5)],
-)
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 1e-2), ("float32", 1e-5)])
 def test_append_cache_decodes_what_a_dynamic_cache_does(
-    tiny_model, tokenizer, monkeypatch, dtype, amx, tolerance, device
+    tiny_model, tokenizer, monkeypatch, dtype, tolerance, device
 ):
     """Sampling with in-place KV appends (small spare room: several regrowths, rows
     dropped, a continued turn) gives the tokens and log-probs of transformers' cache:
-    on a CPU in bf16 grouped attention, or SDPA over the buffers where the CPU has AMX;
-    SDPA over the buffers in float32 and on a GPU."""
+    on a CPU grouped attention in bf16, SDPA over the buffers in float32; SDPA over the
+    buffers on a GPU."""
     tiny_model = on(tiny_model, device)
     import agentenv.lm.attention as attention
     from agentenv.lm import sampler
@@ -140,7 +137,6 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(
     from agentenv.lm.sampler import TransformersPolicy
 
     monkeypatch.setattr(attention.AppendCacheLayer, "SPARE", 3)
-    monkeypatch.setattr(attention, "fused_bf16_attention_pays", lambda: amx)
     prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]
     sampling = SamplingConfig(12, temperature=1.0, stop_strings=[])
 
@@ -161,31 +157,16 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "amx", "expected"),
-    [
-        (torch.bfloat16, False, CPU_BF16_ATTENTION),
-        (torch.bfloat16, True, CACHE_ATTENTION),
-        (torch.float32, False, CACHE_ATTENTION),
-        (torch.float32, True, CACHE_ATTENTION),
-    ],
+    ("dtype", "expected"),
+    [(torch.bfloat16, CPU_BF16_ATTENTION), (torch.float32, CACHE_ATTENTION)],
 )
-def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(
-    tokenizer, monkeypatch, dtype, amx, expected
-):
-    """bfloat16: grouped attention, or the fused kernel over the buffers on a CPU where
-    it is the faster one (AMX); float32: the fused kernel over the buffers. The same for
-    a model a trainer switched to grouped attention (the sampler copies its config)."""
-    from agentenv.lm import attention
+def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(tokenizer, dtype, expected):
     from agentenv.lm.attention import append_cache, sampler_attention
 
-    monkeypatch.setattr(attention, "fused_bf16_attention_pays", lambda: amx)
     model = tiny_model(tokenizer)
     assert sampler_attention(model, dtype) == expected
     model.config._attn_implementation = expected
     assert all(type(layer) is AppendCacheLayer for layer in append_cache(model).layers)
-    learner = tiny_model(tokenizer)  # the trainer's model, switched to grouped attention
-    assert use_cpu_bf16_attention(learner, torch.bfloat16)
-    assert sampler_attention(learner, dtype) == expected
     model.config._attn_implementation = "eager"  # a model that asked for its own attention
     assert sampler_attention(model, dtype) is None and append_cache(model) is None
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from devices import DEVICES, on
 
-from agentenv.lm import attention, decode_step, weights
+from agentenv.lm import decode_step, weights
 from agentenv.lm.attention import cached_forward
 from agentenv.lm.decode_step import decode_logits
 from agentenv.lm.engine import SamplingConfig
@@ -33,24 +33,17 @@ def lora_copy(model):
     return peft_model
 
 
-# the sampler's CPU attention in bfloat16 either way: grouped, or (a CPU with AMX) the
-# fused kernel over the in-place cache (attention.fused_bf16_attention_pays)
-DTYPES = [("float32", False), ("bfloat16", False), ("bfloat16", True)]
-
-
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("lora", [False, True])
-@pytest.mark.parametrize(("dtype", "amx"), DTYPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_direct_step_gives_the_forwards_logits_bitwise(
-    sharp_model, tokenizer, device, dtype, amx, lora, packed, monkeypatch
+    sharp_model, tokenizer, device, dtype, lora, packed, monkeypatch
 ):
     """Step after step, with rows leaving the batch, the direct path's logits and KV cache
-    equal those of the model's forward bit for bit (CPU bf16: grouped attention, or SDPA
-    over the in-place cache with AMX; float32 and a GPU: SDPA over the in-place cache;
-    LoRA: the sampler's unmerged or folded adapter; q, k, v from one packed matrix where
-    it is exact, or from each projection)."""
-    monkeypatch.setattr(attention, "fused_bf16_attention_pays", lambda: amx)
+    equal those of the model's forward bit for bit (CPU bf16: grouped attention; float32
+    and a GPU: SDPA over the in-place cache; LoRA: the sampler's unmerged or folded adapter;
+    q, k, v from one packed matrix where it is exact, or from each projection)."""
     model = on(sharp_model, device)
     policy = TransformersPolicy(lora_copy(model) if lora else model, tokenizer, dtype=dtype)
     model = policy.model
@@ -62,10 +55,7 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
     if not packed:
         monkeypatch.setattr(weights.PackedConcat, "exact", lambda self, rows: False)
     dev = policy.device
-    grouped = dtype == "bfloat16" and dev.type == "cpu" and not amx
     with policy.decoding():
-        chosen = model.config._attn_implementation
-        assert chosen == (attention.CPU_BF16_ATTENTION if grouped else attention.CACHE_ATTENTION)
         cache, mask, logits, pos, _ = policy.prefill(rows(tokenizer))  # mask, pos on the CPU
         ref_cache = copy.deepcopy(cache)
         assert mask.shape[0] == 3 and not mask.all()  # gaps before the shorter prompts
@@ -98,15 +88,14 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
     assert len(calls) == (6 * len(model.model.layers) if used else 0)
 
 
-@pytest.mark.parametrize(("dtype", "amx"), DTYPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_direct_step_of_several_tokens_gives_the_forwards_logits_bitwise(
-    sharp_model, tokenizer, device, dtype, amx, monkeypatch
+    sharp_model, tokenizer, device, dtype
 ):
     """Several tokens per row (a token and drafted ones to verify), causal among them,
     after masked gaps and a masked slot among an earlier step's tokens (a rejected
     draft): the direct path's logits ``(b, q, V)`` and cache are the forward's, bitwise."""
-    monkeypatch.setattr(attention, "fused_bf16_attention_pays", lambda: amx)
     policy = TransformersPolicy(on(sharp_model, device), tokenizer, dtype=dtype)
     model, dev = policy.model, policy.device
     with policy.decoding():
