@@ -122,8 +122,8 @@ def sdpa_over_buffers(
     attention_mask = _over_spare_slots(attention_mask, key.shape[2])
     b, h, q, d = query.shape
     kv = key.shape[1]
-    grouped = h > kv and h % kv == 0 and not dropout
-    if grouped and q == 1:
+    gqa = h > kv and h % kv == 0 and not dropout  # query heads share each KV head
+    if gqa and q == 1:
         out = F.scaled_dot_product_attention(
             query.reshape(b, kv, h // kv, d),  # (b, kv, g, d): a group per KV head
             key,
@@ -132,7 +132,7 @@ def sdpa_over_buffers(
             scale=scaling,
         )
         return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
-    if grouped and attention_mask is not None and query.device.type == "cpu":
+    if gqa and attention_mask is not None and query.device.type == "cpu":
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
         )  # (b, h, q, d): query head i reads KV head i // (h // kv)
