@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from _common import torch_threads
 
-from agentenv.lm.attention import grouped_attention, sdpa_over_buffers
+from agentenv.lm.attention import grouped_attention, has_amx, sdpa_over_buffers
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 # (rows, queries per row, key slots): decode steps, then prefills (RAG-v0's recipe)
@@ -51,14 +51,6 @@ def _inputs(rows: int, queries: int, slots: int, grad: bool = False) -> tuple:
     mask = torch.ones(rows, 1, queries, slots, dtype=torch.bool).tril(slots - queries)
     mask[..., 10:30] = False  # a masked gap (padding before a row's new tokens)
     return q, k, v, mask
-
-
-def _amx() -> bool:
-    """Whether this CPU has AMX tiles (torch's own check)."""
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def _time(calls: dict, repeats: int) -> dict[str, float]:
@@ -104,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="Timed calls of each.")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch_threads()} threads, bfloat16, AMX: {_amx()}")
+    print(f"torch {torch.__version__}, {torch_threads()} threads, bfloat16, AMX: {has_amx()}")
     header = f"{'grouped ms':>11}{'fused ms':>10}{'ratio':>8}"
     print(f"\n{'sampler: rows x queries, slots':<36}{header}")
     with torch.inference_mode():

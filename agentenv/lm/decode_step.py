@@ -33,8 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 
 from agentenv.lm.attention import (
-    CACHE_ATTENTION,
-    CPU_BF16_ATTENTION,
+    OURS,
     AppendCacheLayer,
     _over_spare_slots,
     cached_forward,
@@ -74,7 +73,7 @@ def _direct(
     if type(model) is not llama.LlamaForCausalLM:
         return False
     config, inner = model.config, model.model
-    if config._attn_implementation not in (CPU_BF16_ATTENTION, CACHE_ATTENTION):
+    if config._attn_implementation not in OURS:
         return False
     layers = list(inner.layers)
     if len(layers) != config.num_hidden_layers or len(getattr(cache, "layers", ())) != len(layers):
