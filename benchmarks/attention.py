@@ -7,14 +7,15 @@ On a CPU in bfloat16 the sampler attends with :func:`grouped_attention` (two gro
 matmuls), where PyTorch's fused kernel was 8x slower at a decode step (an AMD EPYC with
 avx512_bf16); in float32 it runs the fused kernel over its in-place KV caches
 (:func:`sdpa_over_buffers`). On a CPU with AMX the fused kernel runs bf16 products on
-the AMX tiles, and the choice is open again. This times both in bfloat16, one layer's
+the AMX tiles, and the sampler hands it the calls of at least ``FUSED_FROM_QUERIES``
+queries a row (:func:`amx_attention`). This times both in bfloat16, one layer's
 attention per call, on the same random queries, keys and values: decode steps (one
-query per row, or a token and four drafted ones), a first-turn prefill after a shared
-prefix and continued rows' prefill after their cached turns (SmolLM2-135M's 9 query and
-3 KV heads of 64; a masked gap in every row); then the learner's forward and backward
-(grouped, as training runs it up to 2**22 scores, against the fused kernel). Medians of
-``--repeats`` calls after a warm-up; the two alternate call by call, so a machine's
-drift reaches both.
+query per row, or a token and four drafted ones), calls at the switch (16 queries a
+row), a first-turn prefill after a shared prefix and continued rows' prefill after
+their cached turns (SmolLM2-135M's 9 query and 3 KV heads of 64; a masked gap in every
+row); then the learner's forward and backward (grouped, as training runs it up to
+2**22 scores, against the fused kernel). Medians of ``--repeats`` calls after a
+warm-up; the two alternate call by call, so a machine's drift reaches both.
 """
 
 from __future__ import annotations
@@ -30,8 +31,16 @@ from _common import torch_threads
 from agentenv.lm.attention import grouped_attention, has_amx, sdpa_over_buffers
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-# (rows, queries per row, key slots): decode steps, then prefills (RAG-v0's recipe)
-SAMPLER_SHAPES = [(8, 1, 400), (32, 1, 400), (8, 5, 400), (4, 107, 557), (8, 250, 400)]
+# (rows, queries per row, key slots): decode steps, the switch, prefills (RAG-v0's recipe)
+SAMPLER_SHAPES = [
+    (8, 1, 400),
+    (32, 1, 400),
+    (8, 5, 400),
+    (8, 16, 400),
+    (32, 16, 400),
+    (4, 107, 557),
+    (8, 250, 400),
+]
 # (rows, tokens): micro-batches, causal, within what grouped attention computes itself
 # with gradients (above 2**22 scores it hands the fused kernel the work)
 LEARNER_SHAPES = [(8, 160), (4, 300)]
