@@ -7,15 +7,14 @@ On a CPU in bfloat16 the sampler attends with :func:`grouped_attention` (two gro
 matmuls), where PyTorch's fused kernel was 8x slower at a decode step (an AMD EPYC with
 avx512_bf16); in float32 it runs the fused kernel over its in-place KV caches
 (:func:`sdpa_over_buffers`). On a CPU with AMX the fused kernel runs bf16 products on
-the AMX tiles, and the sampler hands it the calls of at least ``FUSED_FROM_QUERIES``
-queries a row (:func:`amx_attention`). This times both in bfloat16, one layer's
+the AMX tiles, and the choice is open again. This times both in bfloat16, one layer's
 attention per call, on the same random queries, keys and values: decode steps (one
-query per row, or a token and four drafted ones), calls at the switch (16 queries a
-row), a first-turn prefill after a shared prefix and continued rows' prefill after
-their cached turns (SmolLM2-135M's 9 query and 3 KV heads of 64; a masked gap in every
-row); then the learner's forward and backward (grouped, as training runs it up to
-2**22 scores, against the fused kernel). Medians of ``--repeats`` calls after a
-warm-up; the two alternate call by call, so a machine's drift reaches both.
+query per row, or a token and four drafted ones), 16 queries a row (where the fused
+kernel starts to win), a first-turn prefill after a shared prefix and continued rows'
+prefill after their cached turns (SmolLM2-135M's 9 query and 3 KV heads of 64; a masked
+gap in every row); then the learner's forward and backward (grouped, as training runs
+it up to 2**22 scores, against the fused kernel). Medians of ``--repeats`` calls after
+a warm-up; the two alternate call by call, so a machine's drift reaches both.
 """
 
 from __future__ import annotations
@@ -28,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from _common import torch_threads
 
-from agentenv.lm.attention import grouped_attention, has_amx, sdpa_over_buffers
+from agentenv.lm.attention import grouped_attention, sdpa_over_buffers
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-# (rows, queries per row, key slots): decode steps, the switch, prefills (RAG-v0's recipe)
+# (rows, queries per row, key slots): decode steps, 16 queries, prefills (RAG-v0's recipe)
 SAMPLER_SHAPES = [
     (8, 1, 400),
     (32, 1, 400),
@@ -60,6 +59,14 @@ def _inputs(rows: int, queries: int, slots: int, grad: bool = False) -> tuple:
     mask = torch.ones(rows, 1, queries, slots, dtype=torch.bool).tril(slots - queries)
     mask[..., 10:30] = False  # a masked gap (padding before a row's new tokens)
     return q, k, v, mask
+
+
+def _amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's own check)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _time(calls: dict, repeats: int) -> dict[str, float]:
@@ -105,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="Timed calls of each.")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch_threads()} threads, bfloat16, AMX: {has_amx()}")
+    print(f"torch {torch.__version__}, {torch_threads()} threads, bfloat16, AMX: {_amx()}")
     header = f"{'grouped ms':>11}{'fused ms':>10}{'ratio':>8}"
     print(f"\n{'sampler: rows x queries, slots':<36}{header}")
     with torch.inference_mode():

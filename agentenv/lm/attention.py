@@ -8,10 +8,7 @@ backward is 3x slower than two plain matmuls for a GRPO micro-batch (27 ms vs 9 
 layer for 8 rows of 128 tokens over a 361-token cache). :func:`grouped_attention`
 computes attention as two grouped matmuls instead; :func:`use_cpu_bf16_attention`
 switches a model to it. The sampler and the learner computing attention the same way
-also keeps the sampler's log-probs closer to the learner's. Those figures are from a CPU
-without AMX (an AMD EPYC with avx512_bf16); on one with AMX the fused kernel runs its
-products on the AMX tiles and is the faster one for prefills: the sampler there uses
-:func:`amx_attention`.
+also keeps the sampler's log-probs closer to the learner's.
 """
 
 from __future__ import annotations
@@ -28,10 +25,6 @@ from transformers.cache_utils import DynamicLayer
 
 CPU_BF16_ATTENTION = "agentenv_cpu_bf16"  # registered with transformers on first use
 CACHE_ATTENTION = "agentenv_sdpa_buffers"  # SDPA over in-place caches (sampling)
-AMX_ATTENTION = "agentenv_cpu_bf16_amx"  # sampling in bf16 on a CPU with AMX
-OURS = (CPU_BF16_ATTENTION, CACHE_ATTENTION, AMX_ATTENTION)  # over in-place caches
-# queries per row from which amx_attention hands the fused kernel the work
-FUSED_FROM_QUERIES = 16
 
 
 def grouped_attention(
@@ -149,30 +142,6 @@ def sdpa_over_buffers(
     )
 
 
-def amx_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The sampler's bfloat16 attention on a CPU with AMX (a transformers attention
-    function), chosen by queries per row: :func:`sdpa_over_buffers` (the fused kernel,
-    its products on the AMX tiles) from ``FUSED_FROM_QUERIES`` on (prefills),
-    :func:`grouped_attention` below (decode steps, drafted-token checks). Measured per
-    layer on a 2-core Xeon with AMX (``benchmarks/attention.py``; grouped / fused time):
-    8 rows x 1 query over 500 slots 1.23x, x 5 queries 0.80x, x 16 1.20x, x 64 2.71x;
-    32 rows x 5 queries 0.69x, x 16 1.20x; the fused kernel everywhere slowed the
-    quickstart's decoding (287 vs 322 tok/s) while speeding RAG's prefills. Shapes as
-    :func:`grouped_attention`'s."""
-    attend = sdpa_over_buffers if query.shape[2] >= FUSED_FROM_QUERIES else grouped_attention
-    return attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-
-
 def _over_spare_slots(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
     """``mask`` (``(..., L')``) extended to ``length`` keys, masking the rest: keys from an
     :class:`AppendCacheLayer` carry spare slots (zeros) after the mask's end."""
@@ -214,12 +183,6 @@ def register_cache_attention() -> str:
     return _register(CACHE_ATTENTION, sdpa_over_buffers)
 
 
-@functools.cache
-def register_amx_attention() -> str:
-    """Register :func:`amx_attention` with transformers; return its name."""
-    return _register(AMX_ATTENTION, amx_attention)
-
-
 def _register(name: str, function: Any) -> str:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -250,34 +213,20 @@ def _device_type(model: torch.nn.Module) -> str:
     return next(model.parameters()).device.type
 
 
-def has_amx() -> bool:
-    """Whether this CPU has AMX tiles (Intel Xeon from Sapphire Rapids on), whose bfloat16
-    matrix products PyTorch's fused attention kernel runs on (torch's own check)."""
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def sampler_attention(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
     """The attention the sampler decodes ``model`` with (registered with transformers),
-    None for the model's own (a model that uses neither SDPA nor one of ours). Every
-    choice decodes over in-place KV caches (:func:`append_cache`): on a CPU in bfloat16
-    :func:`grouped_attention`, or :func:`amx_attention` where the CPU has AMX
-    (:func:`has_amx`); :func:`sdpa_over_buffers` otherwise (a CPU in float32, a GPU in
-    any dtype). The learner keeps :func:`grouped_attention` on every CPU in bfloat16
-    (with AMX too: with gradients the fused kernel took 1.2-2.5x as long per layer).
+    None for the model's own (a model that does not use SDPA). Both choices decode over
+    in-place KV caches (:func:`append_cache`): :func:`grouped_attention` on a CPU in
+    bfloat16, :func:`sdpa_over_buffers` otherwise (a CPU in float32, a GPU in any dtype).
 
     On a GPU the in-place cache also keeps the attention's shapes still: its buffers grow
     ``AppendCacheLayer.SPARE`` slots at a time, where a concatenated cache hands SDPA a new
     key length every decode step, and a GPU pays one-time costs for every new shape (an
     H200 ran the first batch at a shape 2.5-3.3x slower than the same batch again)."""
-    config = getattr(model, "config", None)
-    ours = getattr(config, "_attn_implementation", None) in OURS
-    if not (_sdpa(model) or ours):  # ours: SDPA's values too (a trainer switched it)
+    if not _sdpa(model):
         return None
     if dtype == torch.bfloat16 and _device_type(model) == "cpu":
-        return register_amx_attention() if has_amx() else register()
+        return register()
     return register_cache_attention()
 
 
@@ -299,7 +248,8 @@ def append_cache(model: torch.nn.Module) -> Any | None:
     from transformers import DynamicCache
 
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) not in OURS:
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in (CPU_BF16_ATTENTION, CACHE_ATTENTION):
         return None
     cache = DynamicCache(config=config)
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):

@@ -33,7 +33,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 
 from agentenv.lm.attention import (
-    OURS,
+    CACHE_ATTENTION,
+    CPU_BF16_ATTENTION,
     AppendCacheLayer,
     _over_spare_slots,
     cached_forward,
@@ -73,7 +74,7 @@ def _direct(
     if type(model) is not llama.LlamaForCausalLM:
         return False
     config, inner = model.config, model.model
-    if config._attn_implementation not in OURS:
+    if config._attn_implementation not in (CPU_BF16_ATTENTION, CACHE_ATTENTION):
         return False
     layers = list(inner.layers)
     if len(layers) != config.num_hidden_layers or len(getattr(cache, "layers", ())) != len(layers):

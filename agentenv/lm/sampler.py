@@ -38,9 +38,7 @@ model's forward pass instead of ``model.generate``, because that lets it:
   that ends early stops costing compute.
 * **draw each row from its own seed** when given ``seeds``: a row's tokens then do not
   depend on the rest of its batch (nor on how many processes split the work).
-* **attend with grouped matmuls** on a CPU in bfloat16 (:mod:`agentenv.lm.attention`);
-  where the CPU has AMX, prefills go to PyTorch's fused kernel, which runs there on the
-  AMX tiles (:func:`~agentenv.lm.attention.amx_attention`).
+* **attend with grouped matmuls** on a CPU in bfloat16 (:mod:`agentenv.lm.attention`).
 * **decode without transformers' per-call work** for Llama-architecture models
   (:mod:`agentenv.lm.decode_step`: the same operations, bitwise the same logits; q, k, v
   from one packed matrix where that is exact), in inference mode, the draw's

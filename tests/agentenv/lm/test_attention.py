@@ -6,12 +6,9 @@ import torch.nn.functional as F
 from devices import DEVICES, on
 
 from agentenv.lm.attention import (
-    AMX_ATTENTION,
     CACHE_ATTENTION,
     CPU_BF16_ATTENTION,
-    FUSED_FROM_QUERIES,
     AppendCacheLayer,
-    amx_attention,
     grouped_attention,
     sdpa_over_buffers,
     use_cpu_bf16_attention,
@@ -110,24 +107,6 @@ def test_bf16_stays_within_bf16_rounding_of_float32():
     assert (out.float() - exact).abs().max() < 0.03  # bf16 keeps 8 bits: 2^-8 of |out| <= ~3
 
 
-@pytest.mark.parametrize("queries", [FUSED_FROM_QUERIES - 1, FUSED_FROM_QUERIES])
-def test_amx_attention_takes_the_fused_kernel_from_enough_queries_per_row(queries):
-    """Below ``FUSED_FROM_QUERIES`` queries a row (decode steps, drafted-token checks)
-    the grouped matmuls' values bit for bit, from it on (prefills) the fused kernel's."""
-    g = torch.Generator().manual_seed(queries)
-    make = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
-    query, key, value = make(2, 9, queries, 64), make(2, 3, 40, 64), make(2, 3, 40, 64)
-    mask = torch.ones(2, 1, queries, 40, dtype=torch.bool).tril(40 - queries)
-    mask[1, ..., :7] = False  # a gap before row 1's tokens
-    layer = torch.nn.Module()
-    with torch.inference_mode():
-        out, _ = amx_attention(layer, query, key, value, mask, scaling=0.125)
-        grouped, _ = grouped_attention(layer, query, key, value, mask, scaling=0.125)
-        fused, _ = sdpa_over_buffers(layer, query, key, value, mask, scaling=0.125)
-    assert not torch.equal(grouped, fused)  # the two round differently: the test can tell
-    assert torch.equal(out, fused if queries >= FUSED_FROM_QUERIES else grouped)
-
-
 @pytest.mark.parametrize(("dtype", "expected"), [(torch.bfloat16, True), (torch.float32, False)])
 def test_a_cpu_model_switches_only_for_a_bf16_compute_dtype(tokenizer, dtype, expected):
     model = tiny_model(tokenizer)
@@ -143,18 +122,14 @@ def test_a_cpu_model_switches_only_for_a_bf16_compute_dtype(tokenizer, dtype, ex
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    ("dtype", "amx", "tolerance"),
-    [("bfloat16", False, 1e-2), ("bfloat16", True, 1e-2), ("float32", False, 1e-5)],
-)
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 1e-2), ("float32", 1e-5)])
 def test_append_cache_decodes_what_a_dynamic_cache_does(
-    tiny_model, tokenizer, monkeypatch, dtype, amx, tolerance, device
+    tiny_model, tokenizer, monkeypatch, dtype, tolerance, device
 ):
     """Sampling with in-place KV appends (small spare room: several regrowths, rows
     dropped, a continued turn) gives the tokens and log-probs of transformers' cache:
-    on a CPU in bf16 grouped attention, or with AMX the fused kernel for prefills (from 4
-    queries a row here) and grouped matmuls for decode steps; SDPA over the buffers in
-    float32 and on a GPU."""
+    on a CPU grouped attention in bf16, SDPA over the buffers in float32; SDPA over the
+    buffers on a GPU."""
     tiny_model = on(tiny_model, device)
     import agentenv.lm.attention as attention
     from agentenv.lm import sampler
@@ -162,8 +137,6 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(
     from agentenv.lm.sampler import TransformersPolicy
 
     monkeypatch.setattr(attention.AppendCacheLayer, "SPARE", 3)
-    monkeypatch.setattr(attention, "has_amx", lambda: amx)
-    monkeypatch.setattr(attention, "FUSED_FROM_QUERIES", 4)
     prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]
     sampling = SamplingConfig(12, temperature=1.0, stop_strings=[])
 
@@ -184,27 +157,13 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "amx", "expected"),
-    [
-        (torch.bfloat16, False, CPU_BF16_ATTENTION),
-        (torch.bfloat16, True, AMX_ATTENTION),
-        (torch.float32, False, CACHE_ATTENTION),
-        (torch.float32, True, CACHE_ATTENTION),
-    ],
+    ("dtype", "expected"),
+    [(torch.bfloat16, CPU_BF16_ATTENTION), (torch.float32, CACHE_ATTENTION)],
 )
-def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(
-    tokenizer, monkeypatch, dtype, amx, expected
-):
-    """bfloat16: grouped attention, or where the CPU has AMX the fused kernel for
-    prefills; float32: the fused kernel over the buffers. A model the trainer switched
-    to grouped attention (use_cpu_bf16_attention) gets the same choice."""
-    from agentenv.lm import attention
+def test_the_sampler_decodes_over_in_place_caches_in_both_cpu_dtypes(tokenizer, dtype, expected):
     from agentenv.lm.attention import append_cache, sampler_attention
 
-    monkeypatch.setattr(attention, "has_amx", lambda: amx)
     model = tiny_model(tokenizer)
-    assert sampler_attention(model, dtype) == expected
-    model.config._attn_implementation = CPU_BF16_ATTENTION
     assert sampler_attention(model, dtype) == expected
     model.config._attn_implementation = expected
     assert all(type(layer) is AppendCacheLayer for layer in append_cache(model).layers)
