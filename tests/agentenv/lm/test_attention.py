@@ -52,6 +52,74 @@ def test_no_mask_means_causal_and_one_query_sees_every_key():
     torch.testing.assert_close(out, reference(query, key, value, None), atol=1e-6, rtol=1e-5)
 
 
+def _fused_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """Record the query shapes grouped_attention hands to the fused kernel."""
+    from transformers.integrations import sdpa_attention
+
+    calls, fused = [], sdpa_attention.sdpa_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        calls.append(tuple(query.shape))
+        return fused(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
+    return calls
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_without_grad_a_large_batch_runs_in_row_chunks_each_row_as_alone(monkeypatch, masked):
+    from agentenv.lm import attention
+
+    b, h, kv, q, length = 5, 6, 2, 5, 9
+    monkeypatch.setattr(attention, "SCORES", 2 * h * q * length)  # chunks of 2 rows
+    calls = _fused_calls(monkeypatch)
+    query, key, value = (t.detach() for t in qkv(b, h, kv, q, length, dtype=torch.bfloat16))
+    mask = torch.ones(b, 1, q, length, dtype=torch.bool).tril(length - q)
+    for i in range(b):
+        mask[i, :, :, :i] = False  # a left gap of i slots
+    mask = mask if masked else None  # None: causal, one mask for every row
+    with torch.no_grad():
+        out, _ = grouped_attention(torch.nn.Module(), query, key, value, mask)
+        alone = [
+            grouped_attention(
+                torch.nn.Module(),
+                query[i : i + 1],
+                key[i : i + 1],
+                value[i : i + 1],
+                mask if mask is None else mask[i : i + 1],
+            )[0]
+            for i in range(b)
+        ]
+    assert calls == [] and out.shape == (b, q, h, 8)
+    for i in range(b):
+        assert torch.equal(out[i : i + 1], alone[i])  # bitwise: its batch does not matter
+    causal = torch.ones(q, length, dtype=torch.bool).tril(length - q)
+    exact = reference(query.float(), key.float(), value.float(), causal if mask is None else mask)
+    assert (out.float() - exact).abs().max() < 0.03
+
+
+def test_a_row_over_the_limit_and_a_large_batch_with_grad_go_to_the_fused_kernel(monkeypatch):
+    from agentenv.lm import attention
+
+    b, h, kv, q, length = 3, 6, 2, 5, 9
+    calls = _fused_calls(monkeypatch)
+    module = torch.nn.Module()
+    module.num_key_value_groups = h // kv  # the fused path repeats KV heads by it
+    query, key, value = qkv(b, h, kv, q, length)
+    mask = torch.ones(b, 1, q, length, dtype=torch.bool).tril(length - q)
+    monkeypatch.setattr(attention, "SCORES", h * q * length - 1)  # one row is too many
+    with torch.no_grad():
+        grouped_attention(module, query, key, value, mask)
+    monkeypatch.setattr(attention, "SCORES", h * q * length)  # a row fits: chunks of one
+    with torch.no_grad():
+        grouped_attention(module, query, key, value, mask)
+    assert calls == [(b, h, q, 8)]
+    monkeypatch.setattr(attention, "GRAD_SCORES", b * h * q * length - 1)  # the batch's, kept
+    out, _ = grouped_attention(module, query, key, value, mask)
+    assert calls == [(b, h, q, 8)] * 2 and out.requires_grad
+    torch.testing.assert_close(out, reference(query, key, value, mask), atol=1e-6, rtol=1e-5)
+
+
 def test_sdpa_over_buffers_decodes_each_kv_heads_group_without_copying_the_cache(monkeypatch):
     """A decode step (one query per row) over buffers with 3 spare slots: the values of
     SDPA over repeated KV heads, whatever this transformers does for grouped heads
