@@ -39,7 +39,7 @@ from agentenv.lm.attention import (
     _over_spare_slots,
     cached_forward,
 )
-from agentenv.lm.weights import _LoRALinear, add_update
+from agentenv.lm.weights import _LoRALinear
 
 
 def decode_logits(
@@ -173,7 +173,7 @@ def _projections(
         start = 0
         for lora, layer in zip(updates, fused.layers, strict=True):
             if lora is not None:  # (in float32, rounded once into the bf16 slice)
-                add_update(qkv[..., start : start + layer.out_features], lora.delta(x))
+                lora.add_to(qkv[..., start : start + layer.out_features], x)
             start += layer.out_features
         values = fused.layers[2].out_features
         # query and key rotated together: one set of operations for both
