@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import DEVICES
 
 from agentenv.lm import weights
 from agentenv.lm.sampler import TransformersPolicy
@@ -103,20 +104,23 @@ def test_sampling_copy_packs_each_attention_layers_projections_as_one(tiny_model
         assert att.packed_qkv.layers == (att.q_proj.base_layer, att.k_proj, att.v_proj)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("view", [False, True])
 @pytest.mark.parametrize(
     ("rows", "out", "rank"), [(1, 48, 4), (3, 576, 16), (139, 192, 8), (4608, 1536, 16)]
 )
-def test_add_product_gives_the_values_of_adding_the_update_after(dtype, view, rows, out, rank):
+def test_add_product_gives_the_values_of_adding_the_update_after(
+    dtype, view, rows, out, rank, device
+):
     """The update's product added into the output by the matmul itself (``addmm_``):
     bit for bit what computing the update and then adding it gives (``add_update``),
     from a decode step's row to a 32-row RAG prefill's MLP (4,608 x 1,536), also into a
     column slice. Fails if the BLAS summed the product onto the output instead."""
     generator = torch.Generator().manual_seed(rows)
-    y = (torch.randn((1, rows, out + 16), generator=generator) * 3).to(dtype)
-    h = torch.randn((1, rows, rank), generator=generator)
-    b = torch.randn((out, rank), generator=generator) * 1e-2
+    y = (torch.randn((1, rows, out + 16), generator=generator) * 3).to(device, dtype)
+    h = torch.randn((1, rows, rank), generator=generator).to(device)
+    b = (torch.randn((out, rank), generator=generator) * 1e-2).to(device)
     y = y[..., 8 : 8 + out] if view else y[..., :out].contiguous()
     before = y.clone()
     expected = weights.add_update(y.clone(), F.linear(h, b))
