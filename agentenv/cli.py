@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -111,10 +112,25 @@ def _train_config(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from agentenv.run.train import train
+    from agentenv.run.train import processes, train
 
     train(config=_train_config(args), resume=args.resume)
+    if processes()[0] > 1:
+        _exit_without_teardown()
     return 0
+
+
+def _exit_without_teardown() -> None:
+    """End a process of a finished multi-process run with status 0 at once, skipping the
+    interpreter's teardown: gloo's worker threads may still hold the last collective's
+    tensors then, and freeing them while the interpreter shuts down aborts the process
+    ("terminate called without an active exception", a rank exiting -6 after a run that
+    succeeded). Destroying the process group first is no cure: it deadlocked a rank, gloo's
+    thread waiting for the GIL its destructor held. Nothing is lost: the run directory is
+    written (atomically) and the loggers closed before ``train`` returns."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:

@@ -155,7 +155,7 @@ def train(
     run_dir = Path(config.output_dir or f"runs/{env_name(config.env_id)}-{stamp}")
     if resume and not (run_dir / "config.json").exists():
         raise InvalidOptionError(f"--resume needs an existing run in {run_dir} (no config.json)")
-    world, rank = _processes()
+    world, rank = processes()
     check_sharding(os.environ)
     if config.batch_size % world:
         raise InvalidOptionError(
@@ -311,7 +311,7 @@ def train(
     return run_dir
 
 
-def _processes() -> tuple[int, int]:
+def processes() -> tuple[int, int]:
     """``(world size, rank)`` of this run, from the launcher's environment (``accelerate
     launch`` and ``torchrun`` set WORLD_SIZE / RANK); ``(1, 0)`` for a plain process.
 

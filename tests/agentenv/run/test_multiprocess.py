@@ -61,6 +61,8 @@ def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_
     for processes, out in ((1, one), (2, two)):
         proc = launch(processes, out, tiny_model_dir, *args, "--steps", "2")
         assert proc.returncode == 0, proc.stderr[-3000:]
+        # the main process's last words, printed before it ends without the teardown
+        assert f"run directory: {out}" in proc.stdout
     for step in (1, 2):  # rank 0 logs its share, tasks 0 and 2 of the step's 4
         name = f"episodes/step_{step:06d}.jsonl"
         mine = [json.loads(line) for line in (two / name).read_text().splitlines()]
