@@ -25,12 +25,15 @@ def sft(config: SFTRunConfig) -> Path:
     from agentenv.lm.precision import training_dtype
     from agentenv.rollout.demos import demonstration_episodes
     from agentenv.rollout.episode import ChatFormat
+    from agentenv.run.train import processes
     from algorithms.sft import SFT
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(config.output_dir or f"runs/sft-{env_name(config.env_id)}-{stamp}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(config_lib.to_dict(config), indent=2))
+    main = processes()[1] == 0  # under several processes, only the main one writes
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config_lib.to_dict(config), indent=2))
     torch.manual_seed(config.seed)
     device = config.device or models.default_device()
     compute = resolve_dtype(config.dtype, device)
@@ -48,13 +51,15 @@ def sft(config: SFTRunConfig) -> Path:
     )
     trainer = SFT(model, tokenizer, sft_config, seed=config.seed, dtype=compute)
     history = trainer.fit(episodes)
-    with (run_dir / "metrics.jsonl").open("w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in history)
-    path = trainer.save(run_dir / "checkpoint")
-    print(
-        f"SFT on {len(episodes)} demonstrations: loss {history[0]['sft/loss']:.3f} -> "
-        f"{history[-1]['sft/loss']:.3f}; checkpoint: {path}"
-    )
+    if main:
+        with (run_dir / "metrics.jsonl").open("w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in history)
+    path = trainer.save(run_dir / "checkpoint")  # the main process writes, all wait
+    if main:
+        print(
+            f"SFT on {len(episodes)} demonstrations: loss {history[0]['sft/loss']:.3f} -> "
+            f"{history[-1]['sft/loss']:.3f}; checkpoint: {path}"
+        )
     del trainer, model, episodes
     models.release_memory()  # the heap kept ~1 GB of SFT's leftovers (the quickstart's peak)
     return path

@@ -28,15 +28,23 @@ def test_process_shares_are_disjoint_and_cover_the_step():
 def launch(
     processes: int, out: Path, model: str, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
+    """``agentenv train`` on a tiny model under ``accelerate launch``."""
+    args = ["train", "--model", model, "--batch-size", "2", "--group-size", "2"]
+    args += ["--max-new-tokens", "4", "--eval-tasks", "0", "--save-every", "1"]
+    return accelerate_launch(processes, *args, "--output-dir", str(out), *extra, env=env)
+
+
+def accelerate_launch(
+    processes: int, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``agentenv ARGS`` under ``accelerate launch`` with ``processes`` CPU processes."""
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])  # coin_env
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **CPU_ONLY, **(env or {})}
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if processes > 1:
         cmd += ["--multi_gpu", "--num_processes", str(processes)]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += ["-m", "agentenv.cli", "train", "--model", model, "--batch-size", "2"]
-    cmd += ["--group-size", "2", "--max-new-tokens", "4", "--eval-tasks", "0"]
-    cmd += ["--save-every", "1", "--output-dir", str(out), *extra]
+    cmd += ["-m", "agentenv.cli", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -86,6 +94,21 @@ def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").open()] == [1, 2, 3]
     assert latest_checkpoint(two / "checkpoints").name == "step_000003"
+
+
+def test_sft_on_two_processes_ends_with_its_checkpoint_and_status_0(tiny_model_dir, tmp_path):
+    """``agentenv sft`` under 2 processes: both end with status 0 (without the
+    interpreter's teardown) after the main process wrote the checkpoint and metrics."""
+    out = tmp_path / "sft"
+    args = ("sft", "Calculator-v0", "--env-kwargs", '{"source": "word_problems"}')
+    args += ("--model", tiny_model_dir, "--num-demos", "4")
+    args += ("--epochs", "1", "--batch-size", "2", "--dtype", "float32", "--output-dir", str(out))
+    proc = accelerate_launch(2, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "checkpoint" / "adapter" / "adapter_model.safetensors").is_file()
+    assert proc.stdout.count(f"checkpoint: {out / 'checkpoint'}") == 1  # the main process's
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1.0, 2.0]  # 4 demonstrations, 2 a step
 
 
 def test_a_run_that_loses_a_rank_exits_promptly_and_resume_equals_an_uninterrupted_run(
