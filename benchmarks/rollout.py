@@ -118,23 +118,47 @@ def collect_once(
     return m
 
 
-def fixed_work(policy: Any, rows: int) -> tuple[float, float | None]:
-    """tok/s of ``rows`` copies of one chat prompt, 128 new tokens each, no stop, and the
-    rows decoded per sequence run (rows share one until they draw different tokens; None
-    for vLLM, which runs every row)."""
-    import agentenv
+QUESTION = (
+    "A carpenter works 6 days a week and is paid 195 a day. How much does he earn in 4 weeks?"
+)
 
-    tok = policy.tokenizer
+
+def prompt_ids(tokenizer: Any, filler_words: int = 0) -> list[int]:
+    """A system line and :data:`QUESTION`, after the first ``filler_words`` words of this
+    file's docstring in a seeded random order (repeated as needed): a long context that
+    prompt lookup finds little to copy from."""
+    import random
+
+    words = __doc__.split()
+    random.Random(0).shuffle(words)
+    filler = " ".join((words * (1 + filler_words // len(words)))[:filler_words])
     messages = [
         {"role": "system", "content": "You solve math problems. Use the calculator tool."},
-        {
-            "role": "user",
-            "content": "A carpenter works 6 days a week and is paid 195 a day. "
-            "How much does he earn in 4 weeks?",
-        },
+        {"role": "user", "content": f"{filler}\n\n{QUESTION}" if filler else QUESTION},
     ]
-    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def fixed_prompt(tokenizer: Any, tokens: int | None = None) -> list[int]:
+    """The fixed-work prompt: :func:`prompt_ids` without filler, or with the fewest filler
+    words that make it at least ``tokens`` long (a word is at least one token)."""
+    low, high = 0, tokens or 0
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (mid + 1, high) if len(prompt_ids(tokenizer, mid)) < tokens else (low, mid)
+    return prompt_ids(tokenizer, low)
+
+
+def fixed_work(
+    policy: Any, rows: int, prompt_tokens: int | None = None
+) -> tuple[float, float | None]:
+    """tok/s of ``rows`` copies of one chat prompt (:func:`fixed_prompt`), 128 new tokens
+    each, no stop, and the rows decoded per sequence run (rows share one until they draw
+    different tokens; None for vLLM, which runs every row)."""
+    import agentenv
+
+    ids = fixed_prompt(policy.tokenizer, prompt_tokens)
     sampling = agentenv.SamplingConfig(max_new_tokens=128, temperature=1.0, stop_strings=[])
     if hasattr(policy, "llm"):  # vLLM: its own generate, told to ignore EOS
         from vllm import SamplingParams
@@ -216,6 +240,15 @@ def main() -> None:
         "after pass k-1's, seed + k), and the two systems take turns going first, as the steps "
         "of a training run meet partly new shapes",
     )
+    parser.add_argument(
+        "--fixed-prompt-tokens",
+        nargs="+",
+        type=int,
+        default=[],
+        help="also measure fixed work after prompts grown to these many tokens (e.g. 450: a RAG "
+        "episode's context), each row then decoding over a longer KV cache; the shares printed "
+        "stay against the plain prompt's",
+    )
     args = parser.parse_args()
     if args.passes < 1:
         parser.error(f"--passes must be >= 1, got {args.passes}")
@@ -259,6 +292,10 @@ def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
         fixed[n], shared = fixed_work(policy, n)
         per_slot = "" if shared is None else f" ({shared:.2f} rows per sequence run)"
         print(f"fixed work, {n} rows x 128 tokens: {fixed[n]:.1f} tok/s{per_slot}")
+        for tokens in args.fixed_prompt_tokens:
+            tps, shared = fixed_work(policy, n, tokens)
+            per_slot = "" if shared is None else f" ({shared:.2f} rows per sequence run)"
+            print(f"  the same after a {tokens}-token prompt: {tps:.1f} tok/s{per_slot}")
     header = (
         f"{'scenario':<8} {'episodes':>8} {'system':<10} {'wall s':>7} {'gen s':>6} "
         f"{'tokens':>6} {'tok/s':>6} {'vs fixed':>8} {'prefill s':>9} {'read':>6} "
