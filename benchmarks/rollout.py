@@ -187,6 +187,11 @@ def fixed_work(
     return sum(len(g.token_ids) for g in gens) / seconds, shared
 
 
+def per_slot(shared: float | None) -> str:
+    """Fixed work's rows decoded per sequence run, for its line (none for vLLM)."""
+    return "" if shared is None else f" ({shared:.2f} rows per sequence run)"
+
+
 def decode_columns(m: dict, fixed: float) -> str:
     """Prefill seconds and tokens read, and the tok/s of the rest of generation (decoding:
     what fixed work measures) and its share of fixed work; dashes for an engine that does
@@ -252,6 +257,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.passes < 1:
         parser.error(f"--passes must be >= 1, got {args.passes}")
+    if any(tokens < 1 for tokens in args.fixed_prompt_tokens):
+        parser.error(f"--fixed-prompt-tokens must be >= 1, got {args.fixed_prompt_tokens}")
     if args.fresh_episodes and args.passes < 2:
         parser.error(
             f"--fresh-episodes needs --passes 2 or more, got {args.passes} (one pass is the "
@@ -290,12 +297,10 @@ def run_engine(policy: Any, fmt: Any, args: argparse.Namespace) -> None:
     fixed = {}
     for n in sorted(set(args.sizes)):
         fixed[n], shared = fixed_work(policy, n)
-        per_slot = "" if shared is None else f" ({shared:.2f} rows per sequence run)"
-        print(f"fixed work, {n} rows x 128 tokens: {fixed[n]:.1f} tok/s{per_slot}")
+        print(f"fixed work, {n} rows x 128 tokens: {fixed[n]:.1f} tok/s{per_slot(shared)}")
         for tokens in args.fixed_prompt_tokens:
             tps, shared = fixed_work(policy, n, tokens)
-            per_slot = "" if shared is None else f" ({shared:.2f} rows per sequence run)"
-            print(f"  the same after a {tokens}-token prompt: {tps:.1f} tok/s{per_slot}")
+            print(f"  the same after a {tokens}-token prompt: {tps:.1f} tok/s{per_slot(shared)}")
     header = (
         f"{'scenario':<8} {'episodes':>8} {'system':<10} {'wall s':>7} {'gen s':>6} "
         f"{'tokens':>6} {'tok/s':>6} {'vs fixed':>8} {'prefill s':>9} {'read':>6} "
