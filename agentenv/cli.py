@@ -90,12 +90,10 @@ def _overrides(args: argparse.Namespace) -> dict:
 def _cmd_sft(args: argparse.Namespace) -> int:
     from agentenv.run.config import SFTRunConfig, resolve
     from agentenv.run.sft import sft
-    from agentenv.run.train import processes
 
     overrides = _overrides(args)
     sft(resolve(SFTRunConfig, args.config, overrides))
-    if processes()[0] > 1:
-        _exit_without_teardown()
+    _end_if_multi_process()
     return 0
 
 
@@ -115,23 +113,26 @@ def _train_config(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from agentenv.run.train import processes, train
+    from agentenv.run.train import train
 
     train(config=_train_config(args), resume=args.resume)
-    if processes()[0] > 1:
-        _exit_without_teardown()
+    _end_if_multi_process()
     return 0
 
 
-def _exit_without_teardown() -> None:
-    """End a process of a finished multi-process run (``agentenv train`` or ``sft`` under
-    ``accelerate launch`` or ``torchrun``) with status 0 at once, skipping the
+def _end_if_multi_process() -> None:
+    """In a process of a finished multi-process run (``agentenv train`` or ``sft`` under
+    ``accelerate launch`` or ``torchrun``), end with status 0 at once, skipping the
     interpreter's teardown: gloo's worker threads may still hold the last collective's
     tensors then, and freeing them while the interpreter shuts down aborts the process
     ("terminate called without an active exception", a rank exiting -6 after a run that
     succeeded). Destroying the process group first is no cure: it deadlocked a rank, gloo's
     thread waiting for the GIL its destructor held. Nothing is lost: the run directory is
     written (atomically) and the loggers closed before the command returns."""
+    from agentenv.run.train import processes
+
+    if processes()[0] == 1:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -129,6 +129,8 @@ def prompt_ids(tokenizer: Any, filler_words: int = 0) -> list[int]:
     prompt lookup finds little to copy from."""
     import random
 
+    from agentenv import ChatFormat
+
     words = __doc__.split()
     random.Random(0).shuffle(words)
     filler = " ".join((words * (1 + filler_words // len(words)))[:filler_words])
@@ -136,8 +138,7 @@ def prompt_ids(tokenizer: Any, filler_words: int = 0) -> list[int]:
         {"role": "system", "content": "You solve math problems. Use the calculator tool."},
         {"role": "user", "content": f"{filler}\n\n{QUESTION}" if filler else QUESTION},
     ]
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return ChatFormat(tokenizer).prompt_ids(messages)
 
 
 def fixed_prompt(tokenizer: Any, tokens: int | None = None) -> list[int]:
