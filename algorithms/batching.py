@@ -60,6 +60,20 @@ class MicroBatch:
         )
 
 
+def token_advantages(
+    spans: Sequence[Sequence[tuple[int, int]]],
+    per_turn: Sequence[Sequence[float]],
+    width: int,
+) -> torch.Tensor:
+    """``(N, width)``: row ``i`` holds ``per_turn[i][k]`` on the positions ``spans[i][k]``
+    (``[start, end)`` of turn ``k``'s tokens: ``Episode.turn_spans``), 0 elsewhere."""
+    out = torch.zeros(len(spans), width)
+    for i, (row, values) in enumerate(zip(spans, per_turn, strict=True)):
+        for (start, end), value in zip(row, values, strict=True):
+            out[i, start:end] = value
+    return out
+
+
 def pack_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """Group indices, longest first, while a micro-batch's ``len(batch) * longest`` (its
     padded rows) stays within ``token_budget``. A sequence over the budget gets a

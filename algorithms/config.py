@@ -23,6 +23,7 @@ KL_PLACEMENTS = ("loss", "reward")
 REFERENCES = ("initial", "base")
 REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
+CREDITS = ("bandit", "turn")
 
 # What None means for the two settings whose good value depends on the algorithm (declared
 # once, in TrainerConfig; each algorithm's config fills in its LR, its trainer the rest).
@@ -174,6 +175,20 @@ class GRPOConfig(TrainerConfig):
         "uniform (their mean) | std (each divided by its batch std, summed) | pca (projection "
         "on the batch's first principal component, sign-aligned with the sum) | l2 (norm).",
     )
+    credit: str = option(
+        "bandit",
+        "How an episode's tokens share credit. bandit: every policy token gets the episode's "
+        "advantage (one reward per episode). turn: a turn's tokens also get turn_weight x "
+        "its return of the env's per-turn rewards (info['turn_reward'], from that turn on, "
+        "discounted by turn_gamma), less one baseline per group (never per turn index: "
+        "that biases the decision to take another turn), normalised like the outcome.",
+    )
+    turn_weight: float = option(
+        1.0, "credit=turn: the weight of the per-turn return against the outcome's advantage."
+    )
+    turn_gamma: float = option(
+        1.0, "credit=turn: the discount of later turns' rewards in a turn's return (0-1)."
+    )
     entropy_coef: float = option(
         0.0,
         "Entropy bonus: the loss minus entropy_coef x the policy tokens' entropy, aggregated "
@@ -196,6 +211,7 @@ class GRPOConfig(TrainerConfig):
             "kl_placement": KL_PLACEMENTS,
             "reference": REFERENCES,
             "reward_combination": REWARD_COMBINATIONS,
+            "credit": CREDITS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -208,6 +224,8 @@ class GRPOConfig(TrainerConfig):
             (self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
             (self.num_iterations >= 1, "num_iterations", "must be >= 1"),
             (self.entropy_coef >= 0, "entropy_coef", "must be >= 0 (0 disables the bonus)"),
+            (self.turn_weight >= 0, "turn_weight", "must be >= 0"),
+            (0 <= self.turn_gamma <= 1, "turn_gamma", "must be in [0, 1]"),
             (
                 self.reward_clip is None or self.reward_clip > 0,
                 "reward_clip",

@@ -33,6 +33,13 @@ Design decisions:
 * **cispo** (MiniMax-M1): ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi`` per
   token, normalised per token like ``dapo``: clipping bounds a token's weight but, unlike
   PPO's clip, never removes its gradient.
+* **Credit** (``credit``): ``bandit`` (the default) gives every policy token of an
+  episode its one advantage. ``turn`` adds to a turn's tokens ``turn_weight`` times its
+  return of the env's per-turn rewards (``Episode.turn_rewards``, from that turn on,
+  discounted by ``turn_gamma``) less one baseline per group, normalised by the group's
+  std of those returns (:func:`~algorithms.losses.turn_advantages`; a per-turn-index
+  baseline would bias the decision to take another turn, verl #7244). A group whose
+  outcomes are all equal but whose turn returns differ still teaches under ``turn``.
 * **Entropy bonus**: ``- entropy_coef * H`` per policy token, aggregated like the loss; H
   comes from the same checkpointed logits chunks as the log-probs, with its gradient.
 * **Zero-variance groups** carry no policy gradient under a group baseline. With
@@ -68,11 +75,13 @@ from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.precision import autocast
+from agentenv.rollout.episode import mask_spans
 from algorithms.batching import (
     EpisodeLike,
     MicroBatch,
     pack_prefix_trees,
     padding_micro_batch,
+    token_advantages,
 )
 from algorithms.config import (
     GRPO_MICRO_BATCH_TOKENS,
@@ -81,9 +90,27 @@ from algorithms.config import (
 )
 from algorithms.logprobs import forward_logprobs, token_logprobs
 from algorithms.lora import quiet_peft
-from algorithms.losses import compute_advantages, kl_estimate, policy_loss, without_signal
+from algorithms.losses import (
+    compute_advantages,
+    kl_estimate,
+    policy_loss,
+    turn_advantages,
+    turn_return_spread,
+    without_signal,
+)
 from algorithms.rewards import episode_rewards
 from algorithms.trainer import Trainer
+
+
+def _turns(episode: EpisodeLike) -> tuple[list[tuple[int, int]], list[float]]:
+    """An episode's policy turns: their token spans and per-turn rewards (``Episode``'s
+    ``turn_spans`` and ``turn_rewards``; for an episode without them, the runs of its
+    action mask and zeros)."""
+    spans = getattr(episode, "turn_spans", None)
+    if spans is None:
+        spans = mask_spans(episode.action_mask)
+    rewards = getattr(episode, "turn_rewards", None)
+    return list(spans), list(rewards) if rewards is not None else [0.0] * len(spans)
 
 
 def _failed(episode: EpisodeLike) -> bool:
@@ -114,6 +141,8 @@ class GRPO(Trainer):
     ``last_advantages`` holds the ``(B, G)`` advantages the last :meth:`learn` trained on
     (after reward combination, clipping, KL-in-reward and the baseline; 0 for a group
     dropped for zero variance): the training loop logs these, never a recomputation.
+    With ``credit="turn"`` ``last_turn_advantages`` holds each episode's per-turn
+    advantages (the ones its turns' tokens trained with).
 
     Model preparation, optimizer, schedule and checkpoints are
     :class:`~algorithms.trainer.Trainer`'s; ``step`` counts ``learn()`` calls.
@@ -136,6 +165,8 @@ class GRPO(Trainer):
         self.sampling = sampling
         self.temperature  # noqa: B018 - validated before any work
         self.last_advantages: torch.Tensor | None = None  # (B, G) of the last learn()
+        # credit="turn": each episode's per-turn advantages (flat over groups), else None
+        self.last_turn_advantages: list[list[float]] | None = None
         self.ref_model = None
         self.reference_adapter: str | None = None
         super().__init__(
@@ -255,10 +286,14 @@ class GRPO(Trainer):
         group_baseline = cfg.advantage_baseline != "global_mean"
         valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])  # (B, G)
         zero_std = without_signal(rewards, valid)  # (B,) over the valid members
+        turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
+        no_signal = zero_std  # (B,)
+        if cfg.credit == "turn":  # a group whose turns' returns differ still teaches
+            no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma)
         keep = [  # failed episodes teach nothing; zero-variance groups under a group baseline
             i
             for i in range(len(episodes))
-            if valid.view(-1)[i] and (cfg.beta > 0 or not group_baseline or not zero_std[i // g])
+            if valid.view(-1)[i] and (cfg.beta > 0 or not group_baseline or not no_signal[i // g])
         ]
         batches, totals, rows = self._micro_batches(episodes, keep)
         kl_stats: dict[str, float] = {}
@@ -269,10 +304,25 @@ class GRPO(Trainer):
             rewards_for_advantages = rewards
         advantages = self._advantages(rewards_for_advantages, valid)  # (B, G)
         self.last_advantages = advantages  # what the loss sees; 0 for dropped episodes
+        self.last_turn_advantages = None
         flat = advantages.flatten()
+        if cfg.credit == "turn":  # one advantage per turn, on that turn's tokens
+            per_turn = turn_advantages(
+                advantages, turn_rewards, valid, cfg.turn_weight, cfg.turn_gamma,
+                cfg.advantage_norm,
+            )  # fmt: skip
+            self.last_turn_advantages = [a for group in per_turn for a in group]
         for mb, idx in zip(batches, rows, strict=True):
-            if idx:  # a padding micro-batch keeps its zero advantage
+            if not idx:  # a padding micro-batch keeps its zero advantage
+                continue
+            if self.last_turn_advantages is None:
                 mb.advantages = flat[idx].to(mb.advantages)  # (N,)
+            else:
+                mb.advantages = token_advantages(
+                    [_turns(episodes[i])[0] for i in idx],
+                    [self.last_turn_advantages[i] for i in idx],
+                    mb.input_ids.shape[1],
+                ).to(mb.sampler_logprobs)  # (N, T)
         lr = self.scheduler.get_last_lr()[0]
         sums = self._optimize(batches, totals) if totals["num_tokens"] > 0 else {}
         with warnings.catch_warnings():  # no optimizer step when every group had zero std

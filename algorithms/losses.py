@@ -2,12 +2,16 @@
 
 - :func:`compute_advantages`: rewards ``(B, G)`` -> advantages ``(B, G)`` (group baseline,
   optional std normalisation; see :mod:`algorithms.grpo` for the choices).
+- :func:`turn_advantages`: those plus each turn's return of per-turn rewards -> one
+  advantage per turn of every episode (``credit="turn"``).
 - :func:`kl_estimate`: Schulman's k1 / k2 / k3 per token.
 - :func:`policy_loss`: the clipped surrogate of each loss type, normalised over the batch.
 - :func:`masked_nll`: SFT's loss over the policy's tokens only.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -94,6 +98,80 @@ def without_signal(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (high == low) | (valid.sum(dim=1) < 2)
 
 
+def turn_advantages(
+    outcome: torch.Tensor,
+    turn_rewards: Sequence[Sequence[Sequence[float]]],
+    valid: torch.Tensor,
+    weight: float,
+    gamma: float = 1.0,
+    norm: str = "mean_std",
+    eps: float = 1e-4,
+) -> list[list[list[float]]]:
+    """One advantage per policy turn: ``[b][g][k]`` for turn ``k`` of member ``g`` of group
+    ``b``, from the outcome's advantages ``(B, G)`` (:func:`compute_advantages`) and each
+    turn's rewards ``turn_rewards[b][g][k]`` (``Episode.turn_rewards``)::
+
+        G[b][g][k] = r[b][g][k] + gamma * G[b][g][k + 1]        (return from turn k on)
+        A[b][g][k] = outcome[b, g] + weight * (G[b][g][k] - mean_b) / (std_b + eps)
+
+    ``mean_b`` and ``std_b`` (population) are over every turn of the group's ``valid``
+    members: **one baseline per group**, the same for all its turns. A baseline per turn
+    index (the mean of the members' returns at turn k, as MT-GRPO-style per-index
+    normalisation does) is action-dependent: how many such terms an episode collects
+    depends on its own decision to take another turn, which biases that decision by the
+    group's mean per-turn reward (verl #7244). A constant baseline leaves the gradient
+    unbiased; the ``gae`` critic is the state-dependent one. ``mean_only`` does not divide
+    by the std. A group whose returns are all equal gets no turn term; invalid members
+    (failed episodes) get 0 on every turn, as their outcome advantage is.
+    """
+    if norm not in ADVANTAGE_NORMS:
+        raise InvalidOptionError(f"norm must be one of {ADVANTAGE_NORMS}, got {norm!r}")
+    out: list[list[list[float]]] = []
+    for b, group in enumerate(turn_rewards):
+        returns = [_returns(rewards, gamma) for rewards in group]
+        kept = _kept_returns(returns, valid[b])
+        spread = bool((kept != kept[0]).any()) if kept.numel() else False
+        mean = kept.mean().item() if spread else 0.0
+        scale = (kept.std(correction=0).item() + eps) if spread and norm == "mean_std" else 1.0
+        out.append([])
+        for g, rs in enumerate(returns):
+            if not valid[b, g]:
+                out[b].append([0.0] * len(rs))
+                continue
+            base = float(outcome[b, g])
+            turn = [weight * (x - mean) / scale if spread else 0.0 for x in rs]
+            out[b].append([base + t for t in turn])
+    return out
+
+
+def turn_return_spread(
+    turn_rewards: Sequence[Sequence[Sequence[float]]], valid: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """``(B,)`` bool: whether group ``b``'s valid members' per-turn returns differ (else
+    :func:`turn_advantages` gives it no turn term)."""
+    spread = []
+    for b, group in enumerate(turn_rewards):
+        kept = _kept_returns([_returns(rewards, gamma) for rewards in group], valid[b])
+        spread.append(bool((kept != kept[0]).any()) if kept.numel() else False)
+    return torch.tensor(spread, dtype=torch.bool)
+
+
+def _kept_returns(returns: list[list[float]], valid: torch.Tensor) -> torch.Tensor:
+    """Every turn's return of the members marked ``valid`` ``(G,)``, flat, float64."""
+    return torch.tensor(
+        [x for g, rs in enumerate(returns) if valid[g] for x in rs], dtype=torch.float64
+    )
+
+
+def _returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """Discounted returns-to-go of one episode's per-turn rewards."""
+    out, ahead = [0.0] * len(rewards), 0.0
+    for k in reversed(range(len(rewards))):
+        ahead = float(rewards[k]) + gamma * ahead
+        out[k] = ahead
+    return out
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate from log-probs of the sampled tokens (same shape).
 
@@ -126,7 +204,8 @@ def policy_loss(
 
     Args:
         logp: Current log-probs ``(N, T)`` (with grad). old_logp, ref_logp: same shape.
-        advantages: One advantage per sequence ``(N,)``.
+        advantages: One advantage per sequence ``(N,)``, or per token ``(N, T)``
+            (``credit="turn"``: each turn's advantage on its tokens).
         action_mask: ``(N, T)``, 1 on policy tokens; nothing else gets gradient.
         config: Supplies loss_type, epsilon_low/high, beta, kl_estimator, entropy_coef,
             max_completion_length.
@@ -147,7 +226,8 @@ def policy_loss(
         seq_log_ratio = (log_ratio * maskf).sum(-1) / tokens_per_seq.clamp(min=1)  # (N,)
         log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()  # (N, T)
     ratio = torch.exp(log_ratio)  # (N, T)
-    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (N, 1) or (N, T)
+    adv = adv.to(logp.dtype)
     low, high = 1 - config.epsilon_low, 1 + config.epsilon_high
     if config.loss_type == "cispo":  # REINFORCE weighted by the clipped, detached ratio
         weight = torch.clamp(ratio, low, high).detach()  # (N, T)

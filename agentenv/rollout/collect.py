@@ -20,7 +20,10 @@ timing (up to the float rounding of batched kernels). A trajectory stops at
 ``terminated``, ``truncated``, ``max_turns``, when its token budget is spent, or past its
 wall-clock limit (``timeout``). An env step that raises ends only its own episode
 (``stop_reason="env_error"``, the error in ``info["env_error"]``); an env whose ``reset``
-raises gives an episode with no tokens and the same stop reason.
+raises gives an episode with no tokens and the same stop reason. Every episode records
+each policy turn's token span, the env's step reward after it and the env's optional
+per-turn reward (``info["turn_reward"]``): ``Episode.turn_spans``, ``step_rewards`` and
+``turn_rewards``, for turn-level credit (``GRPOConfig.credit``).
 
 :class:`~agentenv.lm.sampler.TransformersPolicy` records the log-prob of every sampled
 token under the exact distribution it was sampled from (after temperature / top-k /
@@ -51,6 +54,7 @@ from tqdm.auto import tqdm
 from agentenv.lm.engine import Generation, PolicyBackend, SamplingConfig
 from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode, EpisodeBuilder
+from agentenv.rollout.stats import tool_call_stats
 
 
 @dataclass
@@ -66,6 +70,8 @@ class _Trajectory:
     reward: float = 0.0
     stop_reason: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    step_rewards: list[float] = field(default_factory=list)  # per policy turn
+    turn_rewards: list[float] = field(default_factory=list)  # info["turn_reward"] per turn
 
 
 def trajectory_seed(sample_seed: int, task_seed: int, member: int, turn: int) -> int:
@@ -160,6 +166,8 @@ def collect(
     def policy_turn(t: _Trajectory, g: Generation) -> None:
         t.builder.add_policy(g.token_ids, g.sampler_logprobs, g.text)
         t.turns += 1
+        t.step_rewards.append(0.0)  # filled in when its step returns
+        t.turn_rewards.append(0.0)
         stepping[pool.submit(_timed_step, t.env, g.text)] = t
 
     pool = ThreadPoolExecutor(max_workers=config.env_workers)
@@ -225,6 +233,8 @@ def collect(
                     continue
                 obs, reward, terminated, truncated, info = result
                 t.reward += float(reward)
+                t.step_rewards[-1] = float(reward)
+                t.turn_rewards[-1] = float(info.get("turn_reward", 0.0))
                 t.info = info
                 if terminated or truncated:
                     _finish(t, "terminated" if terminated else "truncated", bar)
@@ -249,12 +259,14 @@ def collect(
     groups: list[list[Episode]] = [[] for _ in seeds]
     for t in trajs:
         outcome = {"reward": t.reward, "stop_reason": t.stop_reason, "info": t.info}
+        outcome |= {"step_rewards": t.step_rewards, "turn_rewards": t.turn_rewards}
         groups[t.group].append(
             Episode([], [], [], group=t.group, seed=t.seed, **outcome)  # no reset, no tokens
             if t.builder is None
             else t.builder.build(group=t.group, seed=t.seed, **outcome)
         )
     tokens = sum(e.num_policy_tokens for g in groups for e in g)
+    calls = tool_call_stats([e for g in groups for e in g])
     metrics = {
         "rollout/generate_s": clock.generate_s,
         "rollout/env_s": clock.env_s,
@@ -264,6 +276,7 @@ def collect(
         "rollout/tokens_per_s": tokens / clock.generate_s if clock.generate_s else 0.0,
         "rollout/rows_mean": clock.rows / clock.steps if clock.steps else 0.0,
         "rollout/env_errors": float(clock.env_errors),
+        **{f"rollout/{k}": v for k, v in calls.items()},
     }
     if prefilled is not None:
         seconds, read, rows, slots, drawn = _prefill_totals(policy)

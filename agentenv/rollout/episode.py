@@ -170,6 +170,14 @@ class Episode:
         messages: The chat for display (environment tool turns keep role ``tool``).
         group: Index of the GRPO group (task) within its batch.
         seed: The reset seed of the task.
+        turn_spans: ``[start, end)`` of each policy turn's tokens in ``input_ids``, one per
+            turn in order (exactly the positions where ``action_mask`` is 1).
+        step_rewards: The env's ``step`` reward after each policy turn (0.0 for a turn
+            whose step did not run or raised); they add up to ``reward``.
+        turn_rewards: The env's optional per-turn reward, ``info["turn_reward"]`` of the
+            step after each turn (0.0 where the env gives none), e.g. "this search
+            retrieved a gold article". Not part of ``reward``: turn-level credit
+            (``GRPOConfig.credit``) reads it, the bandit default ignores it.
     """
 
     input_ids: list[int]
@@ -182,6 +190,9 @@ class Episode:
     messages: list[Message] = field(default_factory=list)
     group: int = 0
     seed: int | None = None
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    step_rewards: list[float] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -190,6 +201,17 @@ class Episode:
                 f"input_ids, action_mask and sampler_logprobs must have equal lengths, got "
                 f"{n}, {len(self.action_mask)}, {len(self.sampler_logprobs)}"
             )
+        if not self.turn_spans:  # an episode built by hand: its turns from the mask
+            self.turn_spans = self.policy_spans()
+        turns = len(self.turn_spans)
+        for name in ("step_rewards", "turn_rewards"):
+            values = getattr(self, name)
+            if not values:
+                setattr(self, name, [0.0] * turns)
+            elif len(values) != turns:
+                raise ValueError(
+                    f"{name} must have one value per policy turn ({turns}), got {len(values)}"
+                )
 
     @property
     def failed(self) -> bool:
@@ -203,14 +225,19 @@ class Episode:
 
     def policy_spans(self) -> list[tuple[int, int]]:
         """``[start, end)`` index ranges of consecutive policy tokens (one per turn)."""
-        spans, start = [], None
-        for i, m in enumerate([*self.action_mask, 0]):
-            if m and start is None:
-                start = i
-            elif not m and start is not None:
-                spans.append((start, i))
-                start = None
-        return spans
+        return mask_spans(self.action_mask)
+
+
+def mask_spans(action_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` index ranges of the runs of 1s in ``action_mask``."""
+    spans, start = [], None
+    for i, m in enumerate([*action_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
 
 
 class EpisodeBuilder:
@@ -231,6 +258,7 @@ class EpisodeBuilder:
         self.sampler_logprobs = [0.0] * len(self.input_ids)
         self._last_policy: list[int] = []
         self.num_turns = 0
+        self.turn_spans: list[tuple[int, int]] = []
 
     @property
     def room(self) -> int:
@@ -243,6 +271,7 @@ class EpisodeBuilder:
         """Append a policy turn exactly as sampled (``text`` is for display only)."""
         if len(token_ids) != len(sampler_logprobs):
             raise ValueError(f"{len(token_ids)} tokens but {len(sampler_logprobs)} log-probs")
+        self.turn_spans.append((len(self.input_ids), len(self.input_ids) + len(token_ids)))
         self.input_ids += list(token_ids)
         self.action_mask += [1] * len(token_ids)
         self.sampler_logprobs += [float(x) for x in sampler_logprobs]
@@ -284,6 +313,7 @@ class EpisodeBuilder:
             list(self.sampler_logprobs),
             num_turns=self.num_turns,
             messages=list(self.messages),
+            turn_spans=list(self.turn_spans),
             **kwargs,
         )
 

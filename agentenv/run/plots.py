@@ -1,4 +1,5 @@
-"""PNG plots of a run's metrics (reward, eval accuracy, KL, loss, tokens/s vs step)."""
+"""PNG plots of a run's metrics (reward, eval accuracy, KL, loss, tokens/s, tool calls per
+episode and the rate of a second call, vs step)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ PLOTS: dict[str, tuple[str, ...]] = {
     "kl": ("kl",),
     "loss": ("loss",),
     "tokens_per_second": ("tokens_per_second",),
+    "tool_calls": ("rollout/tool_calls_mean", "rollout/second_call_rate"),
 }
 
 

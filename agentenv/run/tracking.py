@@ -98,8 +98,13 @@ class RunLogger:
         episodes: Sequence[Episode],
         tokenizer: Any,
         advantages: Sequence[float] | None = None,
+        turn_advantages: Sequence[Sequence[float]] | None = None,
     ) -> Path:
-        """Write ``episodes/step_N.jsonl`` with per-token text for the viewer."""
+        """Write ``episodes/step_N.jsonl`` with per-token text for the viewer.
+
+        ``advantages``: each episode's advantage; ``turn_advantages``: each episode's
+        per-turn ones (``credit="turn"``; default: the episode's on every turn): what
+        each turn's tokens trained with, logged beside its span and rewards."""
         path = self.run_dir / "episodes" / f"step_{step:06d}.jsonl"
         with path.open("w") as f:
             for i, e in enumerate(episodes):
@@ -114,6 +119,10 @@ class RunLogger:
                     "action_mask": e.action_mask,
                     "tokens": [tokenizer.decode([t]) for t in e.input_ids],
                     "advantage": None if advantages is None else float(advantages[i]),
+                    "turn_spans": [list(span) for span in e.turn_spans],
+                    "step_rewards": e.step_rewards,
+                    "turn_rewards": e.turn_rewards,
+                    "turn_advantages": _turn_advantages(e, i, advantages, turn_advantages),
                     "info": _jsonable(e.info),
                 }
                 f.write(json.dumps(row) + "\n")
@@ -129,3 +138,17 @@ class RunLogger:
 
 def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
+
+
+def _turn_advantages(
+    episode: Episode,
+    i: int,
+    advantages: Sequence[float] | None,
+    turn_advantages: Sequence[Sequence[float]] | None,
+) -> list[float] | None:
+    """Episode ``i``'s per-turn advantages: given, else its one advantage on every turn."""
+    if turn_advantages is not None:
+        return [float(a) for a in turn_advantages[i]]
+    if advantages is None:
+        return None
+    return [float(advantages[i])] * len(episode.turn_spans)

@@ -1,7 +1,9 @@
 """A self-contained HTML page showing sampled episodes token by token, coloured by mask.
 
 Policy tokens (mask 1) are green, environment/prompt/template tokens (mask 0) grey:
-a masking bug (a tool result in green, a sampled token in grey) is visible at once.
+a masking bug (a tool result in green, a sampled token in grey) is visible at once. Each
+policy turn starts with a label: its step reward, its per-turn reward and the advantage
+its tokens trained with.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1100px}
 .toks{font-family:ui-monospace,monospace;white-space:pre-wrap;font-size:.85em;line-height:1.5}
 .p{background:#c8f0c8}.e{background:#eee;color:#555}
 .legend span{padding:0 .4em;margin-right:1em}
+.turn{font-size:.8em;color:#05a;font-family:system-ui,sans-serif}
 """
 
 
@@ -51,9 +54,13 @@ def render_html(run_dir: str | Path, step: int | None = None, max_episodes: int 
             f" &middot; advantage {'n/a' if adv is None else f'{adv:+.3f}'} &middot; "
             f"turns {row['num_turns']} &middot; stop {html.escape(row['stop_reason'])}"
         )
+        starts = {start: k for k, (start, _) in enumerate(row.get("turn_spans", []))}
         toks = "".join(
-            f"<span class='{'p' if m else 'e'}' title='{t}'>{html.escape(s)}</span>"
-            for t, m, s in zip(row["input_ids"], row["action_mask"], row["tokens"], strict=True)
+            (_turn_label(row, starts[i]) if i in starts else "")
+            + f"<span class='{'p' if m else 'e'}' title='{t}'>{html.escape(s)}</span>"
+            for i, (t, m, s) in enumerate(
+                zip(row["input_ids"], row["action_mask"], row["tokens"], strict=True)
+            )
         )
         parts.append(
             f"<div class='ep'><div class='meta'>{meta}</div><div class='toks'>{toks}</div></div>"
@@ -63,3 +70,17 @@ def render_html(run_dir: str | Path, step: int | None = None, max_episodes: int 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(parts))
     return out
+
+
+def _turn_label(row: dict, k: int) -> str:
+    """``[turn k: step reward, turn reward, advantage]`` before turn ``k``'s first token."""
+
+    def value(key: str) -> str:
+        values = row.get(key)
+        return "n/a" if not values else f"{values[k]:+.3g}"
+
+    return (
+        f"<span class='turn'>[turn {k + 1}: step reward {value('step_rewards')} &middot; "
+        f"turn reward {value('turn_rewards')} &middot; advantage "
+        f"{value('turn_advantages')}]</span>"
+    )

@@ -89,6 +89,12 @@ def test_groups_share_task_and_store_generated_ids(tiny_model, tokenizer, batchi
         "rollout/prefill_tokens",
         "rollout/rows_per_slot",
         "rollout/tokens_per_step",
+        "rollout/tool_calls_mean",
+        "rollout/second_call_rate",
+        "rollout/tool_calls/0",
+        "rollout/tool_calls/1",
+        "rollout/tool_calls/2",
+        "rollout/tool_calls/3+",
     }
     assert metrics["rollout/env_errors"] == 0
     assert metrics["rollout/tokens"] == sum(e.num_policy_tokens for e in episodes)
@@ -135,6 +141,51 @@ class FlakyEnv(gym.Wrapper):
         if self.bad and self.steps == 2:
             raise ConnectionError("tool server went away")
         return self.env.step(action)
+
+
+class TurnRewardEnv(gym.Wrapper):
+    """Its k-th step (from 1) rewards 0.25 k and reports ``info["turn_reward"] = k``;
+    raises on its second step when ``bad``."""
+
+    def __init__(self, env, bad: bool = False):
+        super().__init__(env)
+        self.bad, self.steps = bad, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.bad and self.steps == 2:
+            raise ConnectionError("tool server went away")
+        obs, _, terminated, truncated, info = self.env.step(action)
+        return obs, 0.25 * self.steps, terminated, truncated, {**info, "turn_reward": self.steps}
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_each_turn_records_its_span_step_reward_and_turn_reward(tiny_model, tokenizer, batching):
+    """Per-turn records: the spans cover exactly the policy tokens, turn by turn; the step
+    rewards add up to the episode's reward; a turn whose step raised gets 0 for both."""
+    made = []
+
+    def make():
+        made.append(None)
+        return TurnRewardEnv(make_env(), bad=len(made) == 2)
+
+    config = RolloutConfig(
+        group_size=3, max_turns=2, sampling=SamplingConfig(max_new_tokens=8),
+        show_progress=False, batching=batching,
+    )  # fmt: skip
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    groups, _ = collect(make, [4, 9], policy, ChatFormat(tokenizer), config)
+    episodes = [e for g in groups for e in g]
+    for e in episodes:
+        covered = [i for s, t in e.turn_spans for i in range(s, t)]
+        assert covered == [i for i, m in enumerate(e.action_mask) if m]
+        assert len(e.turn_spans) == e.num_turns == len(e.step_rewards) == len(e.turn_rewards)
+        assert sum(e.step_rewards) == e.reward
+    failed = [e for e in episodes if e.failed]
+    assert len(failed) == 1 and failed[0].step_rewards == [0.25, 0.0]
+    assert failed[0].turn_rewards == [1.0, 0.0]
+    others = [e for e in episodes if not e.failed]
+    assert all(e.step_rewards == [0.25, 0.5] and e.turn_rewards == [1.0, 2.0] for e in others)
 
 
 @pytest.mark.parametrize("batching", ["lockstep", "continuous"])

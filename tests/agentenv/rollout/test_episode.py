@@ -234,3 +234,12 @@ def test_the_trl_templates_include_both_kinds(tokenizer):
         kinds[name] = faithful([prompt, later], [prompt], [text])
     assert kinds["qwen2_5"] and kinds["qwen2_5_training"] and kinds["qwen3_instruct_2507"]
     assert not kinds["qwen3"]  # drops the <think> part of turns before the last user message
+
+
+def test_an_episode_built_by_hand_takes_its_turns_from_the_mask():
+
+    e = Episode([1, 2, 3, 4, 5, 6], [0, 1, 1, 0, 1, 0], [0.0] * 6, reward=1.0)
+    assert e.turn_spans == [(1, 3), (4, 5)]
+    assert e.step_rewards == e.turn_rewards == [0.0, 0.0]
+    with pytest.raises(ValueError, match=r"turn_rewards must have one value per policy turn \(2\)"):
+        Episode([1, 2, 3], [0, 1, 0], [0.0] * 3, turn_spans=[(1, 2), (2, 2)], turn_rewards=[1.0])

@@ -1,0 +1,166 @@
+"""Turn-level credit (``GRPOConfig.credit="turn"``): per-turn advantages by hand, their
+tokens, and learn() with them; the bandit default untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from toy_episodes import SAMPLING, make_groups
+
+from agentenv.errors import InvalidOptionError
+from agentenv.rollout.episode import mask_spans
+from algorithms.batching import token_advantages
+from algorithms.config import GRPOConfig
+from algorithms.grpo import GRPO
+from algorithms.losses import policy_loss, turn_advantages, turn_return_spread
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+
+
+def config(**overrides) -> GRPOConfig:
+    base = {"learning_rate": 1e-3, "lora_r": 4, "lora_alpha": 8}
+    return GRPOConfig(**{**base, **overrides})
+
+
+# A group of 3: member 0 takes 3 turns, its second without reward; member 1 failed (its
+# env raised) after 3 turns; member 2 was truncated after 2 turns.
+TURN_REWARDS = [[[1.0, 0.0, 1.0], [0.0, 1.0, 1.0], [0.0, 1.0]]]
+VALID = torch.tensor([[True, False, True]])
+OUTCOME = torch.tensor([[0.5, 0.0, -0.5]])  # (B, G): compute_advantages' (failed: 0)
+
+
+def test_turn_advantages_by_hand_with_one_baseline_per_group():
+    """gamma 0.5: member 0's returns 1 + 0.5 (0 + 0.5 1) = 1.25, 0 + 0.5 1 = 0.5, 1;
+    member 2's 0.5, 1. The valid members' 5 returns: mean 0.85, population std 0.3
+    (deviations 0.4, -0.35, 0.15, -0.35, 0.15). Weight 2: + 2 (G - 0.85) / 0.3."""
+    got = turn_advantages(OUTCOME, TURN_REWARDS, VALID, weight=2.0, gamma=0.5, eps=0.0)
+    expected = [[0.5 + 8 / 3, 0.5 - 7 / 3, 0.5 + 1.0], [0.0] * 3, [-0.5 - 7 / 3, -0.5 + 1.0]]
+    assert len(got) == 1 and [len(a) for a in got[0]] == [3, 3, 2]
+    for a, e in zip(got[0], expected, strict=True):
+        assert a == pytest.approx(e, abs=1e-12)
+    flat = turn_advantages(OUTCOME, TURN_REWARDS, VALID, 2.0, 0.5, "mean_only")
+    assert flat[0][0] == pytest.approx([0.5 + 0.8, 0.5 - 0.7, 0.5 + 0.3])
+    assert flat[0][2] == pytest.approx([-0.5 - 0.7, -0.5 + 0.3])
+    # eps as in compute_advantages: the std plus 1e-4
+    default = turn_advantages(OUTCOME, TURN_REWARDS, VALID, 2.0, 0.5)
+    assert default[0][0][0] == pytest.approx(0.5 + 2 * 0.4 / (0.3 + 1e-4))
+
+
+def test_undiscounted_returns_and_a_turn_weight_of_zero_give_the_outcome():
+    """gamma 1: member 0's returns 2, 1, 1 and member 2's 1, 1 (mean 1.2, std 0.4)."""
+    got = turn_advantages(OUTCOME, TURN_REWARDS, VALID, weight=1.0, gamma=1.0, eps=0.0)
+    assert got[0][0] == pytest.approx([0.5 + 2.0, 0.5 - 0.5, 0.5 - 0.5])
+    assert got[0][2] == pytest.approx([-0.5 - 0.5, -0.5 - 0.5])
+    zero = turn_advantages(OUTCOME, TURN_REWARDS, VALID, weight=0.0)
+    assert zero[0] == [[0.5] * 3, [0.0] * 3, [-0.5] * 2]
+
+
+def test_a_group_whose_returns_are_all_equal_gets_no_turn_term():
+    rewards = [[[0.0, 1.0], [0.0, 0.0, 1.0], [7.0]], [[0.0], [1.0], [0.0]]]
+    valid = torch.tensor([[True, True, False], [True, True, True]])
+    outcome = torch.tensor([[0.25, -0.25, 0.0], [0.0, 0.0, 0.0]])
+    got = turn_advantages(outcome, rewards, valid, weight=3.0, gamma=1.0)
+    assert got[0] == [[0.25, 0.25], [-0.25, -0.25, -0.25], [0.0]]  # returns all 1
+    assert got[1][1][0] > 0 > got[1][0][0] == got[1][2][0]
+    assert turn_return_spread(rewards, valid, 1.0).tolist() == [False, True]
+    with pytest.raises(InvalidOptionError, match="norm must be one of"):
+        turn_advantages(outcome, rewards, valid, 1.0, norm="median")
+
+
+def test_token_advantages_put_each_turns_value_on_its_tokens():
+    spans = [[(2, 4), (6, 7)], [(1, 2)]]
+    out = token_advantages(spans, [[0.5, -1.0], [2.0]], width=8)
+    assert out.tolist() == [
+        [0, 0, 0.5, 0.5, 0, 0, -1.0, 0],
+        [0, 2.0, 0, 0, 0, 0, 0, 0],
+    ]
+
+
+def test_per_token_advantages_equal_to_the_sequences_give_the_same_loss_bitwise():
+    torch.manual_seed(0)
+    logp = torch.randn(3, 6, requires_grad=True)
+    old = logp.detach() + 0.1 * torch.randn(3, 6)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 1, 0], [0, 1, 0, 0, 0, 0]])
+    adv = torch.tensor([0.7, -1.2, 0.3])
+    for loss_type in ("grpo", "dapo", "dr_grpo", "gspo", "cispo"):
+        cfg = config(loss_type=loss_type)
+        a, ma = policy_loss(logp, old, adv, mask, cfg)
+        b, mb = policy_loss(logp, old, adv[:, None].expand(3, 6).clone(), mask, cfg)
+        assert torch.equal(a, b) and ma == mb, loss_type
+
+
+def two_turn_groups(rewards, turn_rewards):
+    """make_groups' episodes (two policy turns each) with per-turn rewards."""
+    groups = make_groups(rewards, seed=4)
+    for group, turns in zip(groups, turn_rewards, strict=True):
+        for episode, values in zip(group, turns, strict=True):
+            episode.turn_rewards = values
+    return groups
+
+
+def test_turn_credit_trains_each_turns_tokens_with_its_advantage(tokenizer, monkeypatch):
+    """The loss sees, on each turn's tokens, that turn's advantage; a group whose outcomes
+    are equal but whose turns' rewards differ is trained (bandit: skipped)."""
+    from agentenv.lm.models import tiny_model as build
+    from algorithms import grpo
+
+    groups = two_turn_groups(
+        [[0, 1, 1, 0], [1, 1, 1, 1]],
+        [[[1, 0], [0, 0], [1, 1], [0, 1]], [[0, 0], [1, 0], [0, 0], [0, 0]]],
+    )
+    seen = []
+    real = grpo.policy_loss
+    monkeypatch.setattr(
+        grpo, "policy_loss", lambda *a, **k: seen.append((a[2], a[3])) or real(*a, **k)
+    )
+    trainer = GRPO(build(tokenizer), tokenizer, config(credit="turn"), sampling=SAMPLING)
+    trainer.learn(groups)
+    expected = turn_advantages(
+        trainer.last_advantages,
+        [[e.turn_rewards for e in g] for g in groups],
+        torch.ones(2, 4, dtype=torch.bool),
+        weight=1.0,
+    )
+    assert trainer.last_turn_advantages == [a for g in expected for a in g]
+    assert trainer.last_advantages[1].tolist() == [0.0] * 4  # outcomes all 1
+    assert any(a != 0 for a in trainer.last_turn_advantages[5])  # its turns still differ
+    trained = []  # each trained row's advantages on its policy tokens
+    for adv, mask in seen:
+        assert adv.shape == mask.shape  # (N, T)
+        for a, m in zip(adv, mask, strict=True):
+            trained.append(tuple(round(v, 5) for v in a[m.bool()].tolist()))
+    episodes = [e for g in groups for e in g]
+    for episode, per_turn in zip(episodes, trainer.last_turn_advantages, strict=True):
+        spans = mask_spans(episode.action_mask)
+        assert len(spans) == len(per_turn) == 2
+        values = [v for (s, e), v in zip(spans, per_turn, strict=True) for _ in range(e - s)]
+        assert tuple(round(v, 5) for v in values) in trained
+    assert len(trained) == 8  # both groups trained (no padding micro-batch here)
+
+
+def test_turn_credit_with_a_turn_weight_of_zero_is_the_bandit_update(tokenizer):
+    from agentenv.lm.models import tiny_model as build
+
+    groups = two_turn_groups([[0, 1, 1, 0]], [[[1, 0], [0, 0], [1, 1], [0, 1]]])
+    bandit = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
+    turn = GRPO(
+        build(tokenizer), tokenizer, config(credit="turn", turn_weight=0.0), sampling=SAMPLING
+    )
+    mb, mt = bandit.learn(groups), turn.learn(groups)
+    assert mb["loss"] == mt["loss"] and mb["grad_norm"] == mt["grad_norm"]
+    for a, b in zip(bandit.model.parameters(), turn.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert bandit.last_turn_advantages is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"credit": "gae2"}, "credit must be one of"),
+        ({"turn_weight": -1.0}, "turn_weight must be >= 0"),
+        ({"turn_gamma": 1.5}, r"turn_gamma must be in \[0, 1\]"),
+    ],
+)
+def test_credit_options_are_checked(kwargs, message):
+    with pytest.raises(InvalidOptionError, match=message):
+        GRPOConfig(**kwargs)
