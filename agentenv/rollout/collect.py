@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 from agentenv.lm.engine import Generation, PolicyBackend, SamplingConfig
 from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode, EpisodeBuilder
-from agentenv.rollout.stats import tool_call_stats
+from agentenv.rollout.stats import retrieval_stats, tool_call_stats
 
 
 @dataclass
@@ -266,7 +266,8 @@ def collect(
             else t.builder.build(group=t.group, seed=t.seed, **outcome)
         )
     tokens = sum(e.num_policy_tokens for g in groups for e in g)
-    calls = tool_call_stats([e for g in groups for e in g])
+    episodes = [e for g in groups for e in g]
+    calls = {**tool_call_stats(episodes), **retrieval_stats(episodes)}
     metrics = {
         "rollout/generate_s": clock.generate_s,
         "rollout/env_s": clock.env_s,

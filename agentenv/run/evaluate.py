@@ -22,7 +22,7 @@ from agentenv.lm.engine import PolicyBackend, SamplingConfig
 from agentenv.rollout.collect import collect
 from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode
-from agentenv.rollout.stats import tool_call_stats
+from agentenv.rollout.stats import retrieval_stats, tool_call_stats
 from agentenv.run.config import EvalConfig
 
 
@@ -65,6 +65,7 @@ def summarize(groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
         "num_tasks": float(n_tasks),
         "samples": float(len(groups[0])),
         **tool_call_stats(episodes),
+        **retrieval_stats(episodes),
     }
     k = 1
     while k <= len(groups[0]):

@@ -13,7 +13,12 @@ PLOTS: dict[str, tuple[str, ...]] = {
     "kl": ("kl",),
     "loss": ("loss",),
     "tokens_per_second": ("tokens_per_second",),
-    "tool_calls": ("rollout/tool_calls_mean", "rollout/second_call_rate"),
+    "tool_calls": (
+        "rollout/tool_calls_mean",
+        "rollout/second_call_rate",
+        "rollout/requery_after_miss_rate",
+        "rollout/second_hop_recall",
+    ),
 }
 
 

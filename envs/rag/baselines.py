@@ -23,6 +23,7 @@ _SPAN = re.compile(r"[A-Z][\w'-]*(?:\s+[A-Z][\w'-]*)*")
 _CANDIDATE = re.compile(_SPAN.pattern + r"|\b\d+(?:[.,:/-]\d+)*\b")
 _YEAR = re.compile(r"(?<![-\w,.])[1-9]\d{2,3}\b(?![,.]\d)")
 _HEADER = re.compile(r"^\[1\] (?P<title>.*?)\s*\(doc (?P<doc>[^,]+), chunk \d+\)$", re.M)
+_ANY_HEADER = re.compile(r"^\[\d+\] (?P<title>.*?)\s*\(doc (?P<doc>[^,]+), chunk \d+\)$", re.M)
 _ORG_WORDS = ("organisation", "organization", "society", "institution", "group")
 
 
@@ -33,6 +34,16 @@ def parse_top_passage(tool_output: str) -> tuple[str, str] | None:
         return None
     rest = tool_output[match.end() :].lstrip("\n")
     return match.group("title"), rest.split("\n\n[2] ", 1)[0].strip()
+
+
+def parse_passages(tool_output: str) -> list[tuple[str, str, str]]:
+    """``(title, doc id, text)`` of every numbered passage in a ``search`` result, in order."""
+    headers = list(_ANY_HEADER.finditer(tool_output))
+    ends = [h.start() for h in headers[1:]] + [len(tool_output)] if headers else []
+    return [
+        (h.group("title"), h.group("doc"), tool_output[h.end() : end].strip())
+        for h, end in zip(headers, ends, strict=True)
+    ]
 
 
 def _spans_after(text: str, pattern: str, exclude: str) -> list[str]:

@@ -17,10 +17,16 @@ Question types (``metadata["qtype"]``), mixed so that neither retriever wins alo
   few content words in common, so semantic match is needed.
 * ``"mixed"`` -- a rare river name (lexical; shared by several towns) plus a
   paraphrased industry (semantic): fusion can beat both retrievers here.
+* ``"bridge"`` (only with ``generate(..., bridge=True)``) -- two hops: the answer is in
+  a second article that only a fact of the first names ("In what year was the town
+  where Oriane Thask was born founded?"); see :mod:`envs.rag.bridge`. They are built
+  from the generated facts alone (no random draws) and appended after the single-hop
+  questions, so the documents and every other question are the same with or without.
 
 Questions are split by a stable hash of their gold document
 (:func:`~envs.rag.qa.split_of_item`): a test question's article is never the gold
 article of a train question, so a policy cannot memorise test facts in training.
+Bridge questions keep that rule with an explicit split (see :mod:`envs.rag.bridge`).
 """
 
 from __future__ import annotations
@@ -29,8 +35,14 @@ import functools
 import random
 from dataclasses import dataclass
 
+from envs.rag.bridge import Link, bridge_items
 from envs.rag.corpus import Document
 from envs.rag.qa import QAItem
+
+SINGLE_HOP_TYPES = ("id", "name", "paraphrase", "mixed")
+"""The question types of :func:`generate` without ``bridge=True`` (RAG-v0's default)."""
+QUESTION_TYPES = (*SINGLE_HOP_TYPES, "bridge")
+"""Every question type of the bundled data."""
 
 ACTIVITIES = [  # (as the article says it, as a paraphrased question says it)
     ("restoring", "repairing"),
@@ -166,13 +178,18 @@ def _aliases(entity: _Entity) -> tuple[str, ...]:
     return tuple(dict.fromkeys([plain, entity.short]))
 
 
-def generate(num_per_type: int = 90, seed: int = 0) -> tuple[list[Document], list[QAItem]]:
+def generate(
+    num_per_type: int = 90, seed: int = 0, *, bridge: bool = False
+) -> tuple[list[Document], list[QAItem]]:
     """The fictional encyclopedia (``4 * num_per_type`` documents) and its questions.
 
     Args:
         num_per_type: People, towns, organisations and artifacts each (1 to 96: people
             and organisations together need distinct specialties, 12 x 16 = 192 of them).
         seed: Generator seed; the same seed always gives the same corpus and questions.
+        bridge: Append the two-hop ``"bridge"`` questions
+            (:func:`envs.rag.bridge.bridge_items`) after the single-hop ones, which stay
+            exactly as without it.
     """
     max_per_type = len(ACTIVITIES) * len(OBJECTS) // 2
     if not 1 <= num_per_type <= max_per_type:
@@ -205,6 +222,10 @@ def generate(num_per_type: int = 90, seed: int = 0) -> tuple[list[Document], lis
 
     docs: list[Document] = []
     qa: list[QAItem] = []
+    # Facts that name another article, for the bridge questions: (relation, subject,
+    # target); and the targets' attributes those questions ask for, by doc id.
+    links: list[tuple[str, _Entity, _Entity]] = []
+    attributes: dict[str, dict[str, str]] = {}
 
     def add(entity: _Entity, kind: str, text: str, questions: list[tuple[str, str, tuple]]) -> None:
         docs.append(Document(entity.doc_id, entity.name.removeprefix("the "), text, {"kind": kind}))
@@ -217,8 +238,12 @@ def generate(num_per_type: int = 90, seed: int = 0) -> tuple[list[Document], lis
     for i, person in enumerate(people):
         born = rng.randint(1700, 1900)
         profession, (act, act_q), (obj, obj_q) = specialties[i]
-        home, later = rng.choice(towns).name, rng.choice(towns).name
-        org, friend = rng.choice(orgs).name, rng.choice(people).name
+        home_town, later_town = rng.choice(towns), rng.choice(towns)
+        joined, friend = rng.choice(orgs), rng.choice(people).name
+        home, later, org = home_town.name, later_town.name, joined.name
+        links += [("birthplace", person, home_town), ("settled", person, later_town),
+                  ("joined", person, joined)]  # fmt: skip
+        attributes[person.doc_id] = {"born": str(born), "birthplace": home}
         pron = rng.choice(["she", "he"])
         text = (
             f"{person.name} ({born}-{born + rng.randint(35, 90)}) was a "
@@ -237,6 +262,7 @@ def generate(num_per_type: int = 90, seed: int = 0) -> tuple[list[Document], lis
     for i, town in enumerate(towns):
         founded = rng.randint(900, 1700)
         river, (industry, industry_q) = river_industry[i]
+        attributes[town.doc_id] = {"founded": str(founded)}
         text = (
             f"{town.name} is a town in the {rng.choice(regions)}, on the banks of the {river} "
             f"River. It was founded in {founded} and today has about "
@@ -251,8 +277,10 @@ def generate(num_per_type: int = 90, seed: int = 0) -> tuple[list[Document], lis
     for i, org in enumerate(orgs):
         founded = rng.randint(1750, 1950)
         kind_title, (act, act_q), (obj, obj_q) = specialties[n + i]
-        founder, hq = rng.choice(people), rng.choice(towns).name
-        kind = kind_title.lower()
+        founder, hq_town = rng.choice(people), rng.choice(towns)
+        kind, hq = kind_title.lower(), hq_town.name
+        links += [("founder", org, founder), ("headquarters", org, hq_town)]
+        attributes[org.doc_id] = {"founded": str(founded), "headquarters": hq}
         text = (
             f"{org.name[0].upper()}{org.name[1:]} is a {kind} founded in {founded} by "
             f"{founder.name}. Its headquarters are in {hq}. The {kind} is dedicated to {act} "
@@ -269,6 +297,7 @@ def generate(num_per_type: int = 90, seed: int = 0) -> tuple[list[Document], lis
         made, cid = rng.randint(1500, 1900), names.catalogue_id()
         maker, holder = rng.choice(people), rng.choice(orgs)
         item = art.name.rsplit(" ", 1)[1].lower()
+        links += [("keeper", art, holder), ("maker", art, maker)]
         text = (
             f"{art.name[0].upper()}{art.name[1:]} (catalogue number {cid}) is a "
             f"{rng.choice(MATERIALS)} {item} made in {made} by {maker.name}. It is now kept "
@@ -280,7 +309,18 @@ def generate(num_per_type: int = 90, seed: int = 0) -> tuple[list[Document], lis
             ("id", f"Who made the item catalogued as {cid}?", _aliases(maker)),
             ("name", f"In what year was {art.name} made?", (str(made),)),
         ])  # fmt: skip
+    if bridge:
+        texts = {d.id: d.text for d in docs}
+        qa += bridge_items([_link(*link, attributes) for link in links], texts)
     return docs, qa
+
+
+def _link(
+    relation: str, subject: _Entity, target: _Entity, attributes: dict[str, dict[str, str]]
+) -> Link:
+    """A recorded fact as a :class:`~envs.rag.bridge.Link` with the target's attributes."""
+    return Link(relation, subject.doc_id, subject.name, target.doc_id, _aliases(target),
+                attributes[target.doc_id])  # fmt: skip
 
 
 def _specialties(
@@ -304,8 +344,8 @@ def _specialties(
 
 @functools.lru_cache(maxsize=4)
 def bundled(
-    num_per_type: int = 90, seed: int = 0
+    num_per_type: int = 90, seed: int = 0, bridge: bool = False
 ) -> tuple[tuple[Document, ...], tuple[QAItem, ...]]:
-    """:func:`generate`, cached per process (documents and questions as tuples)."""
-    docs, qa = generate(num_per_type, seed)
+    """:func:`generate` (``bridge`` as there), cached per process (as tuples)."""
+    docs, qa = generate(num_per_type, seed, bridge=bridge)
     return tuple(docs), tuple(qa)

@@ -12,11 +12,12 @@ from agentenv.env.parsers import ActionParser
 from agentenv.env.spaces import Message
 from agentenv.env.tools import Tool, tool
 from agentenv.errors import InvalidOptionError, TaskSourceError
+from envs.rag.bridge import bridge_demonstration
 from envs.rag.corpus import Document, chunk_documents, load_corpus
 from envs.rag.data import bundled
 from envs.rag.errors import BadKError, EmptyQueryError, QueryTooLongError, SearchLimitError
 from envs.rag.index_cache import build_retriever
-from envs.rag.qa import QAItem, check_gold_ids, load_qa_jsonl, split_items
+from envs.rag.qa import QAItem, check_gold_ids, load_qa_jsonl, select_types, split_items
 from envs.rag.retrieval import Hit, Retriever, unique_docs
 from envs.rag.scoring import RewardWeights, score_answer
 
@@ -45,6 +46,8 @@ class RAGEnv(ToolEnv):
     The default data is a generated fictional encyclopedia (360 articles, 990 questions;
     see :mod:`envs.rag.data`) whose facts no model can know, so answering needs
     retrieval. ``corpus=`` / ``qa=`` swap in your own documents and questions.
+    ``question_types=["bridge"]`` selects its 424 two-hop questions instead (opt-in; see
+    :mod:`envs.rag.bridge`).
 
     Tool: ``search(query, k=default_k)`` returns up to ``k`` numbered passages
     (``[n] title (doc id, chunk)`` then the text, each cut to ``passage_chars`` and to
@@ -82,6 +85,10 @@ class RAGEnv(ToolEnv):
         qa: Questions: ``None`` (bundled; requires the bundled corpus), a JSONL file
             (see :mod:`envs.rag.qa`) or a list of :class:`~envs.rag.qa.QAItem`.
         num_tasks: Keep only the first ``num_tasks`` questions of the split.
+        question_types: Keep only questions of these types (``metadata["qtype"]``; one
+            type or a list); the bundled data has ``"id"``, ``"name"``,
+            ``"paraphrase"``, ``"mixed"`` and ``"bridge"``. ``None``: every question
+            but the ``"bridge"`` ones, which are opt-in.
         retriever: ``"hybrid"``, ``"bm25"`` or ``"dense"``.
         fusion: ``"rrf"`` (reciprocal rank fusion, k=60) or ``"weighted"``.
         fusion_weights: ``{"bm25": w, "dense": w}`` (default 1.0 each).
@@ -126,6 +133,7 @@ class RAGEnv(ToolEnv):
         corpus: str | Path | Sequence[Document] | None = None,
         qa: str | Path | Sequence[QAItem] | None = None,
         num_tasks: int | None = None,
+        question_types: str | Sequence[str] | None = None,
         retriever: str = "hybrid",
         fusion: str = "rrf",
         fusion_weights: Mapping[str, float] | None = None,
@@ -182,11 +190,12 @@ class RAGEnv(ToolEnv):
         if num_tasks is not None and num_tasks < 1:
             raise InvalidOptionError(f"num_tasks must be >= 1, got {num_tasks}")
         documents, items = _load_data(corpus, qa)
+        items = select_types(items, question_types)
         self._items = split_items(items, split)[:num_tasks]
         if not self._items:
             raise TaskSourceError(
-                f"the {split!r} split has no questions ({len(items)} in all); add questions, "
-                "or give them explicit 'split' fields in the QA file"
+                f"the {split!r} split has no questions ({len(items)} in all, of the chosen "
+                "types); add questions, or give them explicit 'split' fields in the QA file"
             )
         self.chunks = chunk_documents(documents, chunk_size=chunk_size, chunk_overlap=chunk_overlap)
         self.retriever: Retriever = build_retriever(
@@ -209,11 +218,16 @@ class RAGEnv(ToolEnv):
         self._num_searches = 0
         self._queries: list[str] = []
         self._retrieved: list[Hit] = []
+        self._search_docs: list[list[str]] = []  # each search's documents, in order
 
     # ---- the search tool ------------------------------------------------------------
     def demonstration(self, task: Task) -> list[str] | None:
         """Search with the question, then answer with the span the rule-based reader takes
         from the top passage (:class:`envs.rag.baselines.SearchThenAnswer`).
+
+        A ``"bridge"`` question is searched in two hops instead, the first entity then the
+        second one its passage names, some tasks after a first search that misses
+        (:func:`envs.rag.bridge.bridge_demonstration`).
 
         The gold answer is never looked at: the demonstration only knows what retrieval
         returns. Its answer can be wrong; the replay (``agentenv.rollout.demos``) keeps a
@@ -222,10 +236,21 @@ class RAGEnv(ToolEnv):
         from envs.rag.baselines import extract_answer, parse_top_passage, search_action
 
         question = task.prompt.strip()
+        if task.metadata.get("qtype") == "bridge":
+            searches = min(self.max_searches, self.max_turns - 1)
+            actions = bridge_demonstration(
+                question, task.id, self._demo_search, max_searches=searches
+            )
+            if actions is not None:
+                return actions
         hits = self.retriever.search(question, self.default_k)  # what the tool call returns
         top = parse_top_passage(self.format_hits(question, hits))
         answer = extract_answer(question, *top) if top else "unknown"
         return [search_action(question), f"<answer>{answer}</answer>"]
+
+    def _demo_search(self, query: str) -> str:
+        """What the ``search`` tool returns for ``query`` with the default ``k``."""
+        return self.format_hits(query, self.retriever.search(query.strip(), self.default_k))
 
     def _make_search_tool(self) -> Tool:
         def search(query: str, k: int = 3) -> str:
@@ -260,6 +285,7 @@ class RAGEnv(ToolEnv):
             if epoch == self._epoch:
                 self._queries.append(query)
                 self._retrieved.extend(hits)
+                self._search_docs.append(unique_docs(hits))
         return self.format_hits(query, hits)
 
     def format_hits(self, query: str, hits: Sequence[Hit]) -> str:
@@ -305,6 +331,7 @@ class RAGEnv(ToolEnv):
             self._num_searches = 0
             self._queries = []
             self._retrieved = []
+            self._search_docs = []
 
     def score(self, answer: str, task: Task) -> tuple[float, dict[str, Any]]:
         retrieved = unique_docs(self._retrieved)
@@ -332,17 +359,35 @@ class RAGEnv(ToolEnv):
         return obs, info
 
     def step(self, action: str) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
+        found_before = set(unique_docs(self._retrieved))
         obs, reward, terminated, truncated, info = super().step(action)
         with self._lock:
             self._epoch += 1  # searches still running (timed out) record nothing now
         info["num_searches"] = self._num_searches
+        info.update(self._retrieval_progress(found_before))
         return obs, reward, terminated, truncated, info
+
+    def _retrieval_progress(self, found_before: set[str]) -> dict[str, Any]:
+        """What this episode's searches found of the task's gold articles:
+        ``search_gold_hits`` (per search so far, how many gold articles it returned),
+        ``gold_retrieved`` (per gold article, in hop order: found by any search yet) and
+        ``turn_reward``, the share of gold articles first found by this step's searches (a
+        per-turn reward for ``credit="turn"``; not part of the episode's reward)."""
+        assert self.task is not None
+        gold = list(self.task.metadata["gold_doc_ids"])
+        found = set(unique_docs(self._retrieved))
+        new = [d for d in gold if d in found and d not in found_before]
+        return {
+            "search_gold_hits": [sum(d in docs for d in gold) for docs in self._search_docs],
+            "gold_retrieved": [d in found for d in gold],
+            "turn_reward": len(new) / len(gold) if gold else 0.0,
+        }
 
     def close(self) -> None:
         """Drop this episode's state; the shared retriever stays for other instances."""
         with self._lock:
             self._epoch += 1
-            self._queries, self._retrieved = [], []
+            self._queries, self._retrieved, self._search_docs = [], [], []
         super().close()
 
 
@@ -360,7 +405,7 @@ def _load_data(
     corpus: str | Path | Sequence[Document] | None, qa: str | Path | Sequence[QAItem] | None
 ) -> tuple[list[Document], list[QAItem]]:
     if corpus is None:
-        docs, items = bundled()
+        docs, items = bundled(bridge=True)  # bridge questions last; select_types drops them
         documents = list(docs)
         items = list(items) if qa is None else _load_qa(qa)
     else:

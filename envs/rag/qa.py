@@ -15,12 +15,14 @@ question is about are never the gold documents of a train question.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.errors import InvalidOptionError
 from envs.rag.corpus import Document, load_hf_dataset, read_jsonl
 from envs.rag.errors import CorpusError, QAFileError
 
@@ -66,6 +68,30 @@ def split_items(
 ) -> list[QAItem]:
     """The items of ``split`` (``"train"`` or ``"test"``), in their original order."""
     return [it for it in items if split_of_item(it, test_fraction) == split]
+
+
+def select_types(items: Sequence[QAItem], types: str | Sequence[str] | None) -> list[QAItem]:
+    """The items whose ``metadata["qtype"]`` is in ``types``, in order; ``None``: all but
+    ``"bridge"`` questions.
+
+    Raises:
+        InvalidOptionError: naming a type no item has (with the valid ones), or for none.
+    """
+    if types is None:
+        return [it for it in items if it.metadata.get("qtype") != "bridge"]
+    wanted = [types] if isinstance(types, str) else list(types)
+    valid = sorted({str(it.metadata["qtype"]) for it in items if it.metadata.get("qtype")})
+    if not wanted:
+        raise InvalidOptionError(f"question_types is empty; pass one or more of {valid}")
+    for qtype in wanted:
+        if qtype not in valid:
+            close = difflib.get_close_matches(str(qtype), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InvalidOptionError(
+                f"question_types has {qtype!r}, which no question of this QA set has{hint}; "
+                f"valid types: {valid or 'none (the questions have no qtype)'}"
+            )
+    return [it for it in items if it.metadata.get("qtype") in wanted]
 
 
 def _as_str_list(value: Any, what: str, where: str) -> tuple[str, ...]:

@@ -22,3 +22,18 @@ def test_tool_call_stats_by_hand():
         }
     )
     assert tool_call_stats([])["tool_calls_mean"] == 0.0
+
+
+def test_retrieval_stats_by_hand():
+    from agentenv.rollout.stats import retrieval_stats
+
+    infos = [
+        {"search_gold_hits": [0, 1], "gold_retrieved": [True, False]},  # missed, searched again
+        {"search_gold_hits": [0], "gold_retrieved": [False, False]},  # missed, stopped
+        {"search_gold_hits": [1, 1], "gold_retrieved": [True, True]},
+        {"search_gold_hits": [1], "gold_retrieved": [True]},  # single-hop: no second hop
+        {},  # an env that reports no retrieval
+    ]
+    stats = retrieval_stats([SimpleNamespace(info=i) for i in infos])
+    assert stats == pytest.approx({"requery_after_miss_rate": 1 / 2, "second_hop_recall": 1 / 3})
+    assert retrieval_stats([SimpleNamespace(info={})]) == {}
