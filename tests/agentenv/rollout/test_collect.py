@@ -143,19 +143,11 @@ class FlakyEnv(gym.Wrapper):
         return self.env.step(action)
 
 
-class TurnRewardEnv(gym.Wrapper):
-    """Its k-th step (from 1) rewards 0.25 k and reports ``info["turn_reward"] = k``;
-    raises on its second step when ``bad``."""
-
-    def __init__(self, env, bad: bool = False):
-        super().__init__(env)
-        self.bad, self.steps = bad, 0
+class TurnRewardEnv(FlakyEnv):
+    """Its k-th step (from 1) rewards 0.25 k and reports ``info["turn_reward"] = k``."""
 
     def step(self, action):
-        self.steps += 1
-        if self.bad and self.steps == 2:
-            raise ConnectionError("tool server went away")
-        obs, _, terminated, truncated, info = self.env.step(action)
+        obs, _, terminated, truncated, info = super().step(action)
         return obs, 0.25 * self.steps, terminated, truncated, {**info, "turn_reward": self.steps}
 
 
