@@ -25,6 +25,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +40,7 @@ from agentenv.errors import EnvFailureError, InvalidOptionError
 from agentenv.lm.precision import resolve_dtype, training_dtype
 from agentenv.run.config import TrainConfig
 from agentenv.run.export import load_from_checkpoint
+from agentenv.run.no_signal import SignalWatch, env_offers, no_signal_message
 
 
 def task_seeds(seed: int, step: int, n: int) -> list[int]:
@@ -251,6 +253,7 @@ def train(
             if main:
                 logger.log(0, {f"eval/{k}": v for k, v in before.metrics.items()})
         steps = range(start, config.steps)
+        watch = SignalWatch()  # says once if no group has a learning signal for long
         bar = tqdm(steps, initial=start, total=config.steps, desc="train", disable=not main)
         for step in bar:
             t0 = time.perf_counter()
@@ -280,11 +283,16 @@ def train(
             metrics["time/step_s"] = time.perf_counter() - t0
             if main:
                 logger.log(done, metrics)
+            if main and watch.update(metrics):  # once: NO_SIGNAL_STEPS steps in a row
+                message = no_signal_message(config, watch.rewards, env_offers(train_env))
+                tqdm.write(message, file=sys.stderr)
             if main and config.log_episodes:
+                n = config.log_episodes
                 adv = algo.last_advantages.flatten().tolist()  # the trained ones
+                turns = algo.last_turn_advantages  # credit="turn": per turn, else None
                 eps = [e for g in groups for e in g]
                 logger.log_episodes(
-                    done, eps[: config.log_episodes], tokenizer, adv[: config.log_episodes]
+                    done, eps[:n], tokenizer, adv[:n], None if turns is None else turns[:n]
                 )
             if done % config.save_every == 0 or done == config.steps:
                 algo.save(ckpt_dir / f"step_{done:06d}")  # the main process writes, all wait

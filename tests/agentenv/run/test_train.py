@@ -75,6 +75,7 @@ def test_two_step_run_writes_every_artifact(tiny_model_dir, tmp_path, capsys):
         "kl.png",
         "loss.png",
         "tokens_per_second.png",
+        "tool_calls.png",
     }
     assert latest_checkpoint(run / "checkpoints").name == "step_000002"
     assert (run / "eval" / "before.json").exists() and (run / "eval" / "after.json").exists()
@@ -83,6 +84,7 @@ def test_two_step_run_writes_every_artifact(tiny_model_dir, tmp_path, capsys):
     assert main(["show", str(run), "--step", "1"]) == 0
     html = (run / "viewer" / "step_000001.html").read_text()
     assert "class='p'" in html and "class='e'" in html
+    assert "[turn 1: step reward" in html and "advantage" in html
     assert main(["show", str(run), "--step", "9"]) == 2  # clear error, lists steps
     assert main(["plot", str(run)]) == 0
 
@@ -451,8 +453,9 @@ def _length_reward_env(**kwargs):  # noqa: ANN003, ANN202
         {"advantage_baseline": "group_median", "advantage_norm": "mean_only"},
         {"advantage_baseline": "global_mean"},
         {"reward_clip": 0.5, "advantage_norm": "mean_only"},
+        {"credit": "turn"},
     ],
-    ids=["default", "median", "global", "clip"],
+    ids=["default", "median", "global", "clip", "turn"],
 )
 def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkeypatch, grpo):
     from algorithms.grpo import GRPO
@@ -464,7 +467,8 @@ def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkey
 
     def spy(self, groups):  # noqa: ANN001, ANN202
         metrics = learn(self, groups)
-        trained.append((self.last_advantages.flatten().tolist(), groups))
+        turns = self.last_turn_advantages
+        trained.append((self.last_advantages.flatten().tolist(), groups, turns))
         return metrics
 
     monkeypatch.setattr(GRPO, "learn", spy)
@@ -473,9 +477,21 @@ def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkey
         cfg, env_id="LengthReward-v0", grpo={"learning_rate": 1e-3, **grpo}, seed=3
     )
     run = train(config=cfg)
-    ((want, groups),) = trained
+    ((want, groups, turns),) = trained
     logged = [json.loads(x) for x in (run / "episodes" / "step_000001.jsonl").open()]
     assert [e["advantage"] for e in logged] == pytest.approx(want) and any(want)
+    episodes = [ep for g in groups for ep in g][:4]
+    want_turns = (
+        turns[:4]
+        if turns
+        else [[a] * ep.num_turns for a, ep in zip(want[:4], episodes, strict=True)]
+    )
+    for e, values in zip(logged, want_turns, strict=True):
+        assert e["turn_advantages"] == pytest.approx(values)
+    assert [e["turn_spans"] for e in logged] == [
+        [list(s) for s in ep.turn_spans] for ep in episodes
+    ]
+    assert [e["step_rewards"] for e in logged] == [ep.step_rewards for ep in episodes]
     assert [e["reward"] for e in logged] == [ep.reward for g in groups for ep in g]
     if grpo.get("reward_clip"):  # what the loop wrote before: advantages of unclipped rewards
         rewards = torch.tensor([[ep.reward for ep in g] for g in groups])
