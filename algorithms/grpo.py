@@ -286,9 +286,9 @@ class GRPO(Trainer):
         group_baseline = cfg.advantage_baseline != "global_mean"
         valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])  # (B, G)
         zero_std = without_signal(rewards, valid)  # (B,) over the valid members
-        turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
         no_signal = zero_std  # (B,)
         if cfg.credit == "turn":  # a group whose turns' returns differ still teaches
+            turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
             no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma)
         keep = [  # failed episodes teach nothing; zero-variance groups under a group baseline
             i

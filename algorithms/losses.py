@@ -128,9 +128,7 @@ def turn_advantages(
         raise InvalidOptionError(f"norm must be one of {ADVANTAGE_NORMS}, got {norm!r}")
     out: list[list[list[float]]] = []
     for b, group in enumerate(turn_rewards):
-        returns = [_returns(rewards, gamma) for rewards in group]
-        kept = _kept_returns(returns, valid[b])
-        spread = bool((kept != kept[0]).any()) if kept.numel() else False
+        returns, kept, spread = _group_returns(group, valid[b], gamma)
         mean = kept.mean().item() if spread else 0.0
         scale = (kept.std(correction=0).item() + eps) if spread and norm == "mean_std" else 1.0
         out.append([])
@@ -149,18 +147,20 @@ def turn_return_spread(
 ) -> torch.Tensor:
     """``(B,)`` bool: whether group ``b``'s valid members' per-turn returns differ (else
     :func:`turn_advantages` gives it no turn term)."""
-    spread = []
-    for b, group in enumerate(turn_rewards):
-        kept = _kept_returns([_returns(rewards, gamma) for rewards in group], valid[b])
-        spread.append(bool((kept != kept[0]).any()) if kept.numel() else False)
+    spread = [_group_returns(group, valid[b], gamma)[2] for b, group in enumerate(turn_rewards)]
     return torch.tensor(spread, dtype=torch.bool)
 
 
-def _kept_returns(returns: list[list[float]], valid: torch.Tensor) -> torch.Tensor:
-    """Every turn's return of the members marked ``valid`` ``(G,)``, flat, float64."""
-    return torch.tensor(
+def _group_returns(
+    group: Sequence[Sequence[float]], valid: torch.Tensor, gamma: float
+) -> tuple[list[list[float]], torch.Tensor, bool]:
+    """One group's returns per member and turn, every turn's return of the members
+    marked ``valid`` ``(G,)`` (flat, float64), and whether those differ."""
+    returns = [_returns(rewards, gamma) for rewards in group]
+    kept = torch.tensor(
         [x for g, rs in enumerate(returns) if valid[g] for x in rs], dtype=torch.float64
     )
+    return returns, kept, bool((kept != kept[0]).any()) if kept.numel() else False
 
 
 def _returns(rewards: Sequence[float], gamma: float) -> list[float]:
