@@ -9,6 +9,7 @@ A checkpoint is a folder::
     optimizer.pt           AdamW state
     scheduler.pt           LR scheduler state
     rng_state.pt           python, numpy, torch (and CUDA) RNG states of the main process
+    critic.pt              GRPO with credit="gae": the value head and its optimizer state
     trainer_state.json     {"step": ..., "config": {...GRPOConfig...}}
     checkpoint_complete.json   written last: {"step": ...}
 
@@ -170,6 +171,8 @@ def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
             torch.save(optimizer, tmp / "optimizer.pt")
             torch.save(trainer.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save(_rng_state(), tmp / "rng_state.pt")
+            for name, value in trainer.extra_state().items():  # e.g. GRPO's critic
+                torch.save(value, tmp / f"{name}.pt")
             state = {"step": trainer.step, "config": dataclasses.asdict(trainer.config)}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
@@ -297,6 +300,17 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
     else:
         trainer.optimizer.load_state_dict(optimizer)
     trainer.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    extra = {}
+    for name in trainer.extra_state():
+        if not (path / f"{name}.pt").is_file():
+            raise InvalidOptionError(
+                f"checkpoint {path} has no {name}.pt, which this trainer resumes (it was "
+                "saved with other settings, e.g. another --credit); resume with the saved "
+                "settings, or start a new run from its weights with --init-from"
+            )
+        extra[name] = torch.load(path / f"{name}.pt", weights_only=True)
+    if extra:
+        trainer.load_extra_state(extra)
     _set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
     trainer.step = int(state["step"])
 

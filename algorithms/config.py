@@ -23,7 +23,8 @@ KL_PLACEMENTS = ("loss", "reward")
 REFERENCES = ("initial", "base")
 REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
-CREDITS = ("bandit", "turn")
+CREDITS = ("bandit", "turn", "gae")
+VALUE_LR = 1e-3  # the critic's AdamW LR: a linear head on fixed features learns fast
 
 # What None means for the two settings whose good value depends on the algorithm (declared
 # once, in TrainerConfig; each algorithm's config fills in its LR, its trainer the rest).
@@ -181,13 +182,38 @@ class GRPOConfig(TrainerConfig):
         "advantage (one reward per episode). turn: a turn's tokens also get turn_weight x "
         "its return of the env's per-turn rewards (info['turn_reward'], from that turn on, "
         "discounted by turn_gamma), less one baseline per group (never per turn index: "
-        "that biases the decision to take another turn), normalised like the outcome.",
+        "that biases the decision to take another turn), normalised like the outcome. "
+        "gae: a critic (a value head on the policy's last hidden state) predicts the return "
+        "before each turn; a turn's tokens get its GAE(turn_gamma, gae_lambda) advantage over "
+        "turns, the rewards being turn_weight x the per-turn rewards plus the outcome at "
+        "the last turn (one extra no-grad forward per step).",
     )
     turn_weight: float = option(
-        1.0, "credit=turn: the weight of the per-turn return against the outcome's advantage."
+        1.0,
+        "credit=turn|gae: the weight of the env's per-turn rewards against the outcome "
+        "(turn: of their return's advantage; gae: of each turn's reward).",
     )
     turn_gamma: float = option(
-        1.0, "credit=turn: the discount of later turns' rewards in a turn's return (0-1)."
+        1.0, "credit=turn|gae: the discount of later turns' rewards in a turn's return (0-1)."
+    )
+    gae_lambda: float = option(
+        0.95,
+        "credit=gae: GAE's lambda over turns (1: the return less the critic's value, "
+        "unbiased; 0: one-turn TD error, lowest variance).",
+    )
+    gae_mix: float = option(
+        0.0,
+        "credit=gae: the share of the group-relative outcome advantage in a turn's "
+        "advantage: (1 - gae_mix) x GAE + gae_mix x the bandit's advantage (0: the critic's "
+        "alone).",
+    )
+    value_lr: float = option(
+        VALUE_LR, "credit=gae: the critic's AdamW LR (its own optimizer; see value_epochs)."
+    )
+    value_epochs: int = option(
+        4,
+        "credit=gae: the critic's full-batch optimizer steps on each batch's turns (its "
+        "input, the policy's hidden states, is computed once per step).",
     )
     entropy_coef: float = option(
         0.0,
@@ -226,6 +252,10 @@ class GRPOConfig(TrainerConfig):
             (self.entropy_coef >= 0, "entropy_coef", "must be >= 0 (0 disables the bonus)"),
             (self.turn_weight >= 0, "turn_weight", "must be >= 0"),
             (0 <= self.turn_gamma <= 1, "turn_gamma", "must be in [0, 1]"),
+            (0 <= self.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]"),
+            (0 <= self.gae_mix <= 1, "gae_mix", "must be in [0, 1]"),
+            (self.value_lr > 0, "value_lr", "must be > 0"),
+            (self.value_epochs >= 1, "value_epochs", "must be >= 1"),
             (
                 self.reward_clip is None or self.reward_clip > 0,
                 "reward_clip",

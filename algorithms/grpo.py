@@ -40,6 +40,13 @@ Design decisions:
   std of those returns (:func:`~algorithms.losses.turn_advantages`; a per-turn-index
   baseline would bias the decision to take another turn, verl #7244). A group whose
   outcomes are all equal but whose turn returns differ still teaches under ``turn``.
+  ``gae`` asks a critic (:mod:`algorithms.critic`, a value head on the policy's hidden
+  state before each turn, from one extra no-grad forward) for each turn's value and gives
+  the turn's tokens its GAE advantage over turns (:func:`~algorithms.losses.gae_advantages`:
+  per-turn rewards weighted by ``turn_weight``, the outcome at the last turn, whitened
+  over the batch's turns, optionally mixed with the group's outcome advantage by
+  ``gae_mix``); the critic then fits the turns' lambda-returns. Its advantages are not
+  group-relative, so no group is dropped for equal outcomes. One process only.
 * **Entropy bonus**: ``- entropy_coef * H`` per policy token, aggregated like the loss; H
   comes from the same checkpointed logits chunks as the log-probs, with its gradient.
 * **Zero-variance groups** carry no policy gradient under a group baseline. With
@@ -88,10 +95,12 @@ from algorithms.config import (
     REFERENCE_ADAPTER,
     GRPOConfig,
 )
-from algorithms.logprobs import forward_logprobs, token_logprobs
+from algorithms.critic import Critic
+from algorithms.logprobs import forward_logprobs, hidden_before, plain_head_width, token_logprobs
 from algorithms.lora import quiet_peft
 from algorithms.losses import (
     compute_advantages,
+    gae_advantages,
     kl_estimate,
     policy_loss,
     turn_advantages,
@@ -141,8 +150,9 @@ class GRPO(Trainer):
     ``last_advantages`` holds the ``(B, G)`` advantages the last :meth:`learn` trained on
     (after reward combination, clipping, KL-in-reward and the baseline; 0 for a group
     dropped for zero variance): the training loop logs these, never a recomputation.
-    With ``credit="turn"`` ``last_turn_advantages`` holds each episode's per-turn
-    advantages (the ones its turns' tokens trained with).
+    With ``credit="turn"`` or ``"gae"`` ``last_turn_advantages`` holds each episode's
+    per-turn advantages (the ones its turns' tokens trained with); with ``"gae"``
+    ``critic`` is the value head (:class:`~algorithms.critic.Critic`, in checkpoints).
 
     Model preparation, optimizer, schedule and checkpoints are
     :class:`~algorithms.trainer.Trainer`'s; ``step`` counts ``learn()`` calls.
@@ -179,6 +189,26 @@ class GRPO(Trainer):
             dtype=dtype,
         )
         self.config: GRPOConfig
+        self.critic: Critic | None = None
+        if self.config.credit == "gae":
+            width = plain_head_width(self.model)
+            if width is None or self.accelerator.num_processes > 1:
+                raise InvalidOptionError(
+                    "credit='gae' reads the hidden state under a plain linear LM head, on one "
+                    f"process; got {self.accelerator.num_processes} process(es) and "
+                    f"{'a' if width else 'no'} plain head: use credit='turn' (no critic), "
+                    "or train on one process a model whose head is not adapted"
+                )
+            self.critic = Critic(
+                width, self.config.value_lr, self.config.max_grad_norm, self.accelerator.device
+            )
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"critic": self.critic.state_dict()} if self.critic is not None else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
 
     def _before_adapters(self, model: torch.nn.Module) -> None:
         """The KL reference, seen before training starts (see the module docstring)."""
@@ -287,9 +317,12 @@ class GRPO(Trainer):
         valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])  # (B, G)
         zero_std = without_signal(rewards, valid)  # (B,) over the valid members
         no_signal = zero_std  # (B,)
-        if cfg.credit == "turn":  # a group whose turns' returns differ still teaches
+        if cfg.credit != "bandit":
             turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
+        if cfg.credit == "turn":  # a group whose turns' returns differ still teaches
             no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma)
+        elif cfg.credit == "gae":  # the critic's advantages are not relative to the group
+            no_signal = torch.zeros_like(zero_std)
         keep = [  # failed episodes teach nothing; zero-variance groups under a group baseline
             i
             for i in range(len(episodes))
@@ -311,6 +344,12 @@ class GRPO(Trainer):
                 advantages, turn_rewards, valid, cfg.turn_weight, cfg.turn_gamma,
                 cfg.advantage_norm,
             )  # fmt: skip
+            self.last_turn_advantages = [a for group in per_turn for a in group]
+        critic_stats: dict[str, float] = {}
+        if cfg.credit == "gae":  # the critic's values before each turn, then its fit
+            per_turn, critic_stats = self._critic_advantages(
+                batches, rows, episodes, turn_rewards, rewards_for_advantages, advantages, valid
+            )
             self.last_turn_advantages = [a for group in per_turn for a in group]
         for mb, idx in zip(batches, rows, strict=True):
             if not idx:  # a padding micro-batch keeps its zero advantage
@@ -341,6 +380,7 @@ class GRPO(Trainer):
         metrics.update(self._batch_stats(rewards, advantages, zero_std, valid, episodes))
         metrics.update(kl_stats)
         metrics.update(component_stats)
+        metrics.update(critic_stats)
         metrics["tokens_per_second"] = sums.get("processed", 0.0) / (time.perf_counter() - start)
         metrics["learning_rate"] = lr
         metrics["step"] = float(self.step)
@@ -440,6 +480,62 @@ class GRPO(Trainer):
             batch_mean_std=batch_mean_std,
             valid=valid,
         )
+
+    def _critic_advantages(
+        self,
+        batches: list[MicroBatch],
+        rows: list[list[int]],
+        episodes: list[EpisodeLike],
+        turn_rewards: list[list[list[float]]],
+        rewards: torch.Tensor,
+        group_advantages: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> tuple[list[list[list[float]]], dict[str, float]]:
+        """``credit="gae"``: each turn's advantage ``[b][g][k]`` from the critic's values
+        of the hidden states before the turns (one no-grad forward per micro-batch, under
+        the pre-update weights), then the critic's fit to the turns' lambda-returns."""
+        cfg, critic = self.config, self.critic
+        assert critic is not None
+        hidden: dict[int, torch.Tensor] = {}  # episode -> (K, H), before each of its turns
+        for mb, idx in zip(batches, rows, strict=True):
+            if not idx:
+                continue
+            starts = torch.zeros(mb.input_ids.shape, dtype=torch.bool)  # (N, T)
+            counts = []
+            for r, i in enumerate(idx):
+                spans = _turns(episodes[i])[0]
+                counts.append(len(spans))
+                for start, _ in spans:
+                    starts[r, start] = True
+            with torch.no_grad(), autocast(self.accelerator.device, self.dtype):
+                h = hidden_before(
+                    self.model, mb.input_ids, mb.attention_mask, starts.to(mb.input_ids.device)
+                )  # (M, H), row by row, turn by turn
+            hidden.update(zip(idx, h.split(counts), strict=True))
+        g = rewards.shape[1]
+        order = sorted(hidden)  # every valid episode is kept under gae
+        states = torch.cat([hidden[i] for i in order]) if order else torch.zeros(0, 1)
+        flat = critic.values(states).tolist() if order else []  # (M,)
+        values: list[list[list[float]]] = [[[] for _ in range(g)] for _ in range(len(rewards))]
+        for i in order:
+            values[i // g][i % g], flat = flat[: len(hidden[i])], flat[len(hidden[i]) :]
+        if cfg.reward_clip is not None:
+            rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
+        per_turn, targets = gae_advantages(
+            rewards,
+            turn_rewards,
+            values,
+            valid,
+            group_advantages,
+            weight=cfg.turn_weight,
+            gamma=cfg.turn_gamma,
+            lam=cfg.gae_lambda,
+            norm=cfg.advantage_norm,
+            mix=cfg.gae_mix,
+        )
+        flat_targets = torch.tensor([x for i in order for x in targets[i // g][i % g]])
+        stats = critic.fit(states, flat_targets, cfg.value_epochs) if order else {}
+        return per_turn, stats
 
     def _kl_penalty(
         self, batches: list[MicroBatch], rows: list[list[int]], num_episodes: int

@@ -379,6 +379,46 @@ def forward_logprobs(
     return logp_rows, entropy_rows if with_entropy else None
 
 
+def hidden_before(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    marked: torch.Tensor,
+) -> torch.Tensor:
+    """The last hidden state each marked token is predicted from: ``(M, H)`` float32 for
+    the ``M`` True positions of ``marked`` ``(N, T)`` (row-major; never position 0), i.e.
+    the hidden state at the position before each (the one the LM head turns into that
+    token's logits). With the first token of each policy turn marked: the state the
+    turn is taken from, which the ``gae`` critic reads.
+
+    One forward without the LM head (the rows' common prefix prefilled once, as in
+    :func:`forward_logprobs`); call it under ``no_grad``. Needs a plain linear LM head
+    (:func:`plain_head_width`).
+    """
+    head = _plain_head(model)
+    if head is None:
+        raise ValueError("hidden_before needs a plain linear LM head; see plain_head_width")
+    n, t = input_ids.shape
+    rows, cols = marked.nonzero(as_tuple=True)  # (M,)
+    if not rows.numel():
+        return torch.zeros(0, head[1].in_features)
+    if int(cols.min()) < 1:
+        raise ValueError("position 0 is predicted by no hidden state; mark tokens after it")
+    start = int(cols.min())
+    prefix = _common_prefix(input_ids, attention_mask, start - 1)
+    with _hidden_states_out(model, head[0]):
+        out = _forward(model, input_ids, attention_mask, t - start + 1, prefix)  # (N, ., H)
+    return out[rows, cols - start].float()  # out[:, j] is position start - 1 + j
+
+
+def plain_head_width(model: torch.nn.Module) -> int | None:
+    """The width of the last hidden state, when the model's LM head is a plain linear
+    layer over it (no LoRA on it, no logit soft-capping or scaling: what
+    :func:`hidden_before` needs); else None."""
+    head = _plain_head(model)
+    return head[1].in_features if head is not None else None
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

@@ -4,6 +4,8 @@
   optional std normalisation; see :mod:`algorithms.grpo` for the choices).
 - :func:`turn_advantages`: those plus each turn's return of per-turn rewards -> one
   advantage per turn of every episode (``credit="turn"``).
+- :func:`gae_advantages`: a critic's values before each turn and the turns' rewards ->
+  GAE advantages per turn and the critic's targets (``credit="gae"``).
 - :func:`kl_estimate`: Schulman's k1 / k2 / k3 per token.
 - :func:`policy_loss`: the clipped surrogate of each loss type, normalised over the batch.
 - :func:`masked_nll`: SFT's loss over the policy's tokens only.
@@ -170,6 +172,97 @@ def _returns(rewards: Sequence[float], gamma: float) -> list[float]:
         ahead = float(rewards[k]) + gamma * ahead
         out[k] = ahead
     return out
+
+
+def gae(
+    rewards: Sequence[float], values: Sequence[float], gamma: float, lam: float
+) -> tuple[list[float], list[float]]:
+    """GAE over one episode's turns: ``(advantages, targets)``, one of each per turn::
+
+        delta[k] = r[k] + gamma * V[k + 1] - V[k]        (V[K] = 0: nothing after the end)
+        A[k]     = delta[k] + gamma * lam * A[k + 1]
+        target[k] = A[k] + V[k]                           (the lambda-return)
+
+    ``values[k]`` is the critic's estimate before turn ``k``. The episode's end is
+    terminal whatever ended it, a truncation (max_turns, the token budget) included: an
+    episode that runs out of turns has failed its task, and bootstrapping from the value
+    of its last state would teach that never answering is as good as answering.
+    """
+    advantages, ahead = [0.0] * len(rewards), 0.0
+    for k in reversed(range(len(rewards))):
+        after = values[k + 1] if k + 1 < len(rewards) else 0.0
+        ahead = float(rewards[k]) + gamma * after - values[k] + gamma * lam * ahead
+        advantages[k] = ahead
+    return advantages, [a + v for a, v in zip(advantages, values, strict=True)]
+
+
+def gae_advantages(
+    outcome: torch.Tensor,
+    turn_rewards: Sequence[Sequence[Sequence[float]]],
+    values: Sequence[Sequence[Sequence[float]]],
+    valid: torch.Tensor,
+    group_advantages: torch.Tensor,
+    *,
+    weight: float,
+    gamma: float,
+    lam: float,
+    norm: str = "mean_std",
+    mix: float = 0.0,
+    eps: float = 1e-4,
+) -> tuple[list[list[list[float]]], list[list[list[float]]]]:
+    """Per-turn advantages ``[b][g][k]`` from a critic, and the critic's targets.
+
+    Turn ``k`` of an episode with ``K`` turns is rewarded ``weight * turn_rewards[k]``,
+    plus the episode's ``outcome[b, g]`` ``(B, G)`` at its last turn; :func:`gae` with
+    the critic's ``values[b][g][k]`` gives each turn's advantage and target. ``mean_std``
+    then whitens the advantages over every turn of the batch's ``valid`` episodes (PPO's
+    and verl's whitening, per turn rather than per token: a turn is one decision);
+    ``mean_only`` leaves them as they are (the critic is the baseline). Last::
+
+        A[b][g][k] = (1 - mix) * A_gae[b][g][k] + mix * group_advantages[b, g]
+
+    ``group_advantages`` ``(B, G)`` being the bandit's (:func:`compute_advantages`).
+    Invalid episodes (failed) get advantage 0 on every turn and no targets (``[]``).
+    """
+    if norm not in ADVANTAGE_NORMS:
+        raise InvalidOptionError(f"norm must be one of {ADVANTAGE_NORMS}, got {norm!r}")
+    raw: list[list[list[float]]] = []
+    targets: list[list[list[float]]] = []
+    for b, group in enumerate(turn_rewards):
+        raw.append([])
+        targets.append([])
+        for g, rewards in enumerate(group):
+            if not valid[b, g]:
+                raw[b].append([0.0] * len(rewards))
+                targets[b].append([])
+                continue
+            r = [weight * float(x) for x in rewards]
+            if r:
+                r[-1] += float(outcome[b, g])
+            a, t = gae(r, values[b][g], gamma, lam)
+            raw[b].append(a)
+            targets[b].append(t)
+    kept = torch.tensor(
+        [a for b, group in enumerate(raw) for g, turns in enumerate(group) if valid[b, g]
+         for a in turns],
+        dtype=torch.float64,
+    )  # fmt: skip
+    mean, scale = 0.0, 1.0
+    if norm == "mean_std" and kept.numel():
+        mean, scale = kept.mean().item(), kept.std(correction=0).item() + eps
+    out = [
+        [
+            [
+                (1 - mix) * (a - mean) / scale + mix * float(group_advantages[b, g])
+                if valid[b, g]
+                else 0.0
+                for a in turns
+            ]
+            for g, turns in enumerate(group)
+        ]
+        for b, group in enumerate(raw)
+    ]
+    return out, targets
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:

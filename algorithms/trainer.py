@@ -139,6 +139,14 @@ class Trainer:
     def _before_adapters(self, model: torch.nn.Module) -> None:
         """Hook: see the model as passed in, before any adapter (GRPO's reference copy)."""
 
+    def extra_state(self) -> dict[str, Any]:
+        """Hook: more state a checkpoint keeps, ``{name: torch-saveable value}`` (one
+        ``<name>.pt`` file each; GRPO's critic); :meth:`load_extra_state` restores it."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Hook: restore what :meth:`extra_state` saved (the same names)."""
+
     def _global(self, values: list[float], reduction: str) -> list[float]:
         """``values`` reduced (``"sum"`` / ``"max"``) over every process, as float64."""
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)

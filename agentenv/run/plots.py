@@ -1,5 +1,6 @@
 """PNG plots of a run's metrics (reward, eval accuracy, KL, loss, tokens/s, tool calls per
-episode and the rate of a second call, vs step)."""
+episode and the rate of a second call, the critic's value loss and explained variance,
+vs step)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ PLOTS: dict[str, tuple[str, ...]] = {
         "rollout/requery_after_miss_rate",
         "rollout/second_hop_recall",
     ),
+    "critic": ("critic/value_loss", "critic/explained_variance"),
 }
 
 

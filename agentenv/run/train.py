@@ -289,7 +289,7 @@ def train(
             if main and config.log_episodes:
                 n = config.log_episodes
                 adv = algo.last_advantages.flatten().tolist()  # the trained ones
-                turns = algo.last_turn_advantages  # credit="turn": per turn, else None
+                turns = algo.last_turn_advantages  # credit turn/gae: per turn, else None
                 eps = [e for g in groups for e in g]
                 logger.log_episodes(
                     done, eps[:n], tokenizer, adv[:n], None if turns is None else turns[:n]

@@ -454,8 +454,9 @@ def _length_reward_env(**kwargs):  # noqa: ANN003, ANN202
         {"advantage_baseline": "global_mean"},
         {"reward_clip": 0.5, "advantage_norm": "mean_only"},
         {"credit": "turn"},
+        {"credit": "gae", "gae_mix": 0.5},
     ],
-    ids=["default", "median", "global", "clip", "turn"],
+    ids=["default", "median", "global", "clip", "turn", "gae"],
 )
 def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkeypatch, grpo):
     from algorithms.grpo import GRPO

@@ -1,0 +1,206 @@
+"""The ``gae`` credit: GAE over turns by hand, the critic, and learn() with it (the value
+head learns from the value loss alone, the policy from the policy loss alone)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from toy_episodes import SAMPLING, make_groups
+
+from agentenv.errors import InvalidOptionError
+from agentenv.lm.models import tiny_model as build
+from algorithms.batching import MicroBatch
+from algorithms.checkpoint import latest_checkpoint
+from algorithms.config import GRPOConfig
+from algorithms.critic import Critic, ValueHead
+from algorithms.grpo import GRPO
+from algorithms.logprobs import _unwrap, hidden_before
+from algorithms.losses import gae, gae_advantages
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+
+
+def config(**overrides) -> GRPOConfig:
+    base = {"learning_rate": 1e-3, "lora_r": 4, "lora_alpha": 8, "credit": "gae"}
+    return GRPOConfig(**{**base, **overrides})
+
+
+def test_gae_by_hand_on_three_turns_one_without_reward():
+    """r = 1, 0, 2; V = 0.5, 1, 0.25; gamma 0.5, lambda 0.5 (V after the end: 0):
+    deltas 1 + 0.5 - 0.5 = 1, 0 + 0.125 - 1 = -0.875, 2 - 0.25 = 1.75;
+    A2 = 1.75, A1 = -0.875 + 0.25 x 1.75 = -0.4375, A0 = 1 + 0.25 x -0.4375 = 0.890625."""
+    advantages, targets = gae([1.0, 0.0, 2.0], [0.5, 1.0, 0.25], gamma=0.5, lam=0.5)
+    assert advantages == pytest.approx([0.890625, -0.4375, 1.75], abs=1e-12)
+    assert targets == pytest.approx([1.390625, 0.5625, 2.0], abs=1e-12)
+    # lambda 1: the discounted return (1.5, 1, 2) less the value; lambda 0: the TD errors
+    assert gae([1.0, 0.0, 2.0], [0.5, 1.0, 0.25], 0.5, 1.0)[0] == pytest.approx([1.0, 0.0, 1.75])
+    assert gae([1.0, 0.0, 2.0], [0.5, 1.0, 0.25], 0.5, 0.0)[0] == pytest.approx([1.0, -0.875, 1.75])
+    assert gae([], [], 1.0, 0.95) == ([], [])
+
+
+# A group of 3: member 0 takes 3 turns, its second without reward, and succeeds; member 1
+# failed (its env raised); member 2 was truncated after 2 turns (outcome 0).
+TURN_REWARDS = [[[1.0, 0.0, 1.0], [0.0, 1.0, 1.0], [0.0, 1.0]]]
+OUTCOME = torch.tensor([[1.0, 1.0, 0.0]])
+VALUES = [[[0.5, 0.5, 0.5], [], [0.25, 0.25]]]
+VALID = torch.tensor([[True, False, True]])
+GROUP = torch.tensor([[0.7, 0.0, -0.7]], dtype=torch.float64)  # the bandit's advantages (failed: 0)
+
+
+def test_gae_advantages_by_hand_with_a_failed_and_a_truncated_episode():
+    """Weight 0.5, gamma = lambda = 1. Member 0's rewards 0.5, 0, 0.5 + 1 (the outcome at
+    the last turn): returns 2, 1.5, 1.5, less V 0.5: 1.5, 1, 1. Member 2 (truncated: its
+    end is terminal, nothing bootstrapped): rewards 0, 0.5, returns 0.5, 0.5, less 0.25."""
+    kwargs = {"weight": 0.5, "gamma": 1.0, "lam": 1.0}
+    raw, targets = gae_advantages(
+        OUTCOME, TURN_REWARDS, VALUES, VALID, GROUP, norm="mean_only", **kwargs
+    )
+    assert raw[0][0] == pytest.approx([1.5, 1.0, 1.0])
+    assert raw[0][1] == [0.0, 0.0, 0.0] and targets[0][1] == []
+    assert raw[0][2] == pytest.approx([0.25, 0.25])
+    assert targets[0][0] == pytest.approx([2.0, 1.5, 1.5])
+    assert targets[0][2] == pytest.approx([0.5, 0.5])
+
+    # whitened over the 5 valid turns: mean 0.8, population variance 1.175 / 5
+    white, _ = gae_advantages(OUTCOME, TURN_REWARDS, VALUES, VALID, GROUP, eps=0.0, **kwargs)
+    std = math.sqrt(1.175 / 5)
+    assert white[0][0] == pytest.approx([0.7 / std, 0.2 / std, 0.2 / std])
+    assert white[0][2] == pytest.approx([-0.55 / std, -0.55 / std])
+    assert white[0][1] == [0.0] * 3
+
+    # mixed half and half with the bandit's advantage of each member
+    mixed, _ = gae_advantages(
+        OUTCOME, TURN_REWARDS, VALUES, VALID, GROUP, eps=0.0, mix=0.5, **kwargs
+    )
+    assert mixed[0][0] == pytest.approx([0.35 / std + 0.35, 0.1 / std + 0.35, 0.1 / std + 0.35])
+    assert mixed[0][2] == pytest.approx([-0.275 / std - 0.35] * 2)
+    assert mixed[0][1] == [0.0] * 3
+    only_group, _ = gae_advantages(OUTCOME, TURN_REWARDS, VALUES, VALID, GROUP, mix=1.0, **kwargs)
+    assert only_group[0] == [[0.7] * 3, [0.0] * 3, [-0.7] * 2]
+
+
+def test_the_value_head_starts_at_zero_and_fits_returns():
+    torch.manual_seed(0)
+    hidden = torch.randn(12, 8)
+    targets = torch.nn.functional.layer_norm(hidden, (8,))[:, 0] * 2 + 1  # linear in its input
+    critic = Critic(8, lr=0.05, max_grad_norm=10.0, device="cpu")
+    assert torch.equal(critic.values(hidden), torch.zeros(12))
+    stats = critic.fit(hidden, targets, epochs=200)
+    # before: V = 0, so the loss is half the mean square target and nothing is explained
+    assert stats["critic/value_loss"] == pytest.approx(0.5 * targets.square().mean().item())
+    assert stats["critic/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert stats["critic/value_loss_after"] < 0.01 * stats["critic/value_loss"]
+    again = critic.fit(hidden, targets, epochs=1)
+    assert again["critic/explained_variance"] > 0.95
+    assert isinstance(critic.head, ValueHead)
+
+
+def test_hidden_before_is_what_the_head_turns_into_the_tokens_logits(tokenizer):
+    model = build(tokenizer)
+    episodes = [ep for group in make_groups([[1, 0], [0, 1]]) for ep in group]
+    mb = MicroBatch.from_episodes(episodes, [0.0] * 4, tokenizer.pad_token_id)
+    marked = torch.zeros_like(mb.action_mask, dtype=torch.bool)
+    marked[:, 6] = True  # every row's token 6, and its last real token
+    last = mb.attention_mask.sum(-1) - 1
+    marked[torch.arange(4), last] = True
+    with torch.no_grad():
+        hidden = hidden_before(model, mb.input_ids, mb.attention_mask, marked)
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    rows, cols = marked.nonzero(as_tuple=True)
+    assert hidden.shape == (len(rows), model.config.hidden_size)
+    head = _unwrap(model).lm_head
+    torch.testing.assert_close(head(hidden), logits[rows, cols - 1], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="position 0"):
+        hidden_before(model, mb.input_ids, mb.attention_mask, torch.ones_like(marked))
+
+
+def test_learn_gives_each_turn_its_advantage_and_trains_the_critic(tokenizer):
+    cfg = config(turn_weight=0.5, gae_lambda=1.0)
+    trainer = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    groups = make_groups([[1, 0, 0], [0, 0, 0]])  # the second group: equal outcomes
+    groups[1][0].turn_rewards = [1.0, 0.0]  # a retrieval-like reward on a first turn
+    metrics = trainer.learn(groups)
+    per_turn = trainer.last_turn_advantages
+    assert per_turn is not None and [len(a) for a in per_turn] == [2] * 6
+    # the critic started at 0: with lambda 1 the advantages are the whitened returns, so
+    # equal returns get equal ones, and the group of equal outcomes teaches (not dropped)
+    returns = [[1.0, 1.0], [0, 0], [0, 0], [0.5, 0.0], [0, 0], [0, 0]]
+    flat = torch.tensor([x for r in returns for x in r])
+    expected = ((flat - flat.mean()) / (flat.std(correction=0) + 1e-4)).view(6, 2)
+    torch.testing.assert_close(torch.tensor(per_turn), expected, atol=1e-6, rtol=0)
+    assert metrics["critic/value_loss"] == pytest.approx(0.5 * flat.square().mean().item())
+    assert metrics["critic/value_loss_after"] < metrics["critic/value_loss"]
+    assert metrics["num_sequences"] == 6 and metrics["frac_reward_zero_std"] == 0.5
+    assert trainer.critic is not None
+    assert not torch.equal(trainer.critic.values(torch.randn(3, 64)), torch.zeros(3))
+
+
+def test_the_value_head_learns_only_from_the_value_loss_and_the_policy_only_from_its_own(
+    tokenizer,
+):
+    trainer = GRPO(build(tokenizer), tokenizer, config(value_epochs=3), sampling=SAMPLING)
+    assert trainer.critic is not None
+    phase = ["policy"]
+    events: list[tuple[str, str]] = []
+    critic_params = {id(p) for p in trainer.critic.head.parameters()}
+    adapters = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert adapters and not critic_params & {id(p) for _, p in adapters}
+    for name, param in [*adapters, *trainer.critic.head.named_parameters(prefix="critic")]:
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: events.append((phase[0], name))
+        )
+    fit = trainer.critic.fit
+
+    def fit_marked(*args, **kwargs):
+        phase[0] = "value"
+        try:
+            return fit(*args, **kwargs)
+        finally:
+            phase[0] = "policy"
+
+    trainer.critic.fit = fit_marked
+    trainer.learn(make_groups([[1, 0, 0], [0, 1, 1]]))
+    value = [name for p, name in events if p == "value"]
+    policy = [name for p, name in events if p == "policy"]
+    assert sorted(value) == sorted(["critic.linear.weight", "critic.linear.bias"] * 3)
+    assert policy and not any(name.startswith("critic.") for name in policy)
+    assert all(".lora_" in name for name in policy)
+
+
+def test_a_gae_run_resumes_exactly_with_its_critic(tmp_path, tokenizer):
+    cfg = config(turn_weight=0.5)
+    uninterrupted = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    for seed in range(3):
+        uninterrupted.learn(make_groups([[1, 0, 0], [0, 1, 0]], seed=seed))
+    first = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    for seed in range(2):
+        first.learn(make_groups([[1, 0, 0], [0, 1, 0]], seed=seed))
+    path = first.save(tmp_path / "checkpoint-2")
+    assert (path / "critic.pt").is_file()
+    resumed = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    resumed.load(latest_checkpoint(tmp_path))
+    a = resumed.learn(make_groups([[1, 0, 0], [0, 1, 0]], seed=2))
+    b_critic = uninterrupted.critic.head.state_dict()  # type: ignore[union-attr]
+    for name, value in resumed.critic.head.state_dict().items():  # type: ignore[union-attr]
+        assert torch.equal(value, b_critic[name]), name
+    for (name, x), y in zip(
+        resumed.model.named_parameters(), uninterrupted.model.parameters(), strict=True
+    ):
+        assert torch.equal(x, y), name
+    assert a["step"] == 3
+
+    bandit = GRPO(build(tokenizer), tokenizer, config(credit="bandit"), sampling=SAMPLING)
+    bandit.learn(make_groups([[1, 0, 0], [0, 1, 0]]))
+    saved = bandit.save(tmp_path / "bandit" / "checkpoint-1")
+    with pytest.raises(InvalidOptionError, match=r"no critic\.pt.*--init-from"):
+        GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING).load(saved)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("gae_lambda", 1.5), ("gae_mix", -0.1), ("value_lr", 0.0)]
+)
+def test_gae_settings_are_checked(field, value):
+    with pytest.raises(InvalidOptionError, match=field):
+        config(**{field: value})
