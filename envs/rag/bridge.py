@@ -6,7 +6,7 @@ born founded?" needs the person's article (born in Brevonne) and then the town's
 (founded in 1214). The question never names the second entity. Its gold documents are
 both articles, first hop first.
 
-:data:`RELATIONS` are the seven families. :func:`bridge_items` turns the generator's
+:data:`RELATIONS` are the nine families. :func:`bridge_items` turns the generator's
 facts (:class:`Link`) into questions; :func:`bridge_demonstration` is the scripted
 expert of RAG-v0 for them: search the first entity, read the linking fact, search the
 second entity, read the answer; for about a third of the tasks it first makes a vaguer
@@ -30,6 +30,10 @@ from dataclasses import dataclass
 
 from envs.rag.baselines import parse_passages, search_action
 from envs.rag.qa import QAItem, split_of_item
+
+BRIDGE_TEST_FRACTION = 0.5
+"""The share of articles on the bridge questions' test side (about a quarter of the
+facts then have both articles there)."""
 
 REQUERY_FRACTION = 1 / 3
 """About this share of the bridge demonstrations starts with a search that misses."""
@@ -91,6 +95,14 @@ RELATIONS: tuple[Relation, ...] = (
              "In what year was the maker of {subject} born?",
              rf"\bmade in \d+ by ({_NAME})", r"\((\d{3,4})-\d{3,4}\)",
              "birth year of the maker"),
+    Relation("correspondent", "person", "born",
+             "In what year was the correspondent of {subject} born?",
+             rf"\bcorrespondence with ({_NAME})", r"\((\d{3,4})-\d{3,4}\)",
+             "birth year of the correspondent"),
+    Relation("road", "town", "founded",
+             "In what year was the town that the old road to {subject} starts from founded?",
+             rf"\bold road from ({_NAME})", r"\bfounded in (\d{3,4})\b",
+             "year the town at the end of the old road was founded"),
 )  # fmt: skip
 """Every bridge question family."""
 
@@ -119,8 +131,25 @@ class Link:
 
 
 def doc_split(doc_id: str) -> str:
-    """The split of the single-hop questions whose gold document is ``doc_id``."""
-    return split_of_item(QAItem("", "", ("",), (doc_id,)))
+    """The split of the bridge questions about article ``doc_id``."""
+    return split_of_item(QAItem("", "", ("",), (doc_id,)), BRIDGE_TEST_FRACTION)
+
+
+def without_bridge_leaks(items: Sequence[QAItem]) -> list[QAItem]:
+    """``items`` less, when they mix bridge and other questions, the train questions of
+    another type whose gold article is a bridge test article (training on them would
+    teach a held-out bridge answer's article); the rest in order. Items of one kind
+    pass unchanged."""
+    kinds = {it.metadata.get("qtype") == "bridge" for it in items}
+    if len(kinds) < 2:
+        return list(items)
+    return [
+        it
+        for it in items
+        if it.metadata.get("qtype") == "bridge"
+        or split_of_item(it) == "test"
+        or all(doc_split(doc) == "train" for doc in it.gold_doc_ids)
+    ]
 
 
 def bridge_items(links: Sequence[Link], texts: Mapping[str, str]) -> list[QAItem]:
@@ -191,7 +220,9 @@ def vague_queries(relation: Relation, subject: str) -> list[str]:
     question with the entity cut to its shared part (a first name, "the Institute"),
     then :attr:`Relation.blind`."""
     words = subject.split()
-    generic = words[0] if relation.subject_kind == "person" else f"the {words[-1]}"
+    generic = {"person": words[0], "town": "the town"}.get(
+        relation.subject_kind, f"the {words[-1]}"
+    )
     return [relation.question.format(subject=generic), relation.blind]
 
 

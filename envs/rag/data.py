@@ -239,10 +239,10 @@ def generate(
         born = rng.randint(1700, 1900)
         profession, (act, act_q), (obj, obj_q) = specialties[i]
         home_town, later_town = rng.choice(towns), rng.choice(towns)
-        joined, friend = rng.choice(orgs), rng.choice(people).name
-        home, later, org = home_town.name, later_town.name, joined.name
+        joined, correspondent = rng.choice(orgs), rng.choice(people)
+        home, later, org, friend = home_town.name, later_town.name, joined.name, correspondent.name
         links += [("birthplace", person, home_town), ("settled", person, later_town),
-                  ("joined", person, joined)]  # fmt: skip
+                  ("joined", person, joined), ("correspondent", person, correspondent)]  # fmt: skip
         attributes[person.doc_id] = {"born": str(born), "birthplace": home}
         pron = rng.choice(["she", "he"])
         text = (
@@ -263,11 +263,14 @@ def generate(
         founded = rng.randint(900, 1700)
         river, (industry, industry_q) = river_industry[i]
         attributes[town.doc_id] = {"founded": str(founded)}
+        region, inhabitants = rng.choice(regions), rng.randint(8, 400) * 100
+        road = rng.choice(towns)  # the draws in the order the text made them before
+        links.append(("road", town, road))
         text = (
-            f"{town.name} is a town in the {rng.choice(regions)}, on the banks of the {river} "
+            f"{town.name} is a town in the {region}, on the banks of the {river} "
             f"River. It was founded in {founded} and today has about "
-            f"{rng.randint(8, 400) * 100:,} inhabitants. The local economy depends on "
-            f"{industry}. Travellers reach it by the old road from {rng.choice(towns).name}."
+            f"{inhabitants:,} inhabitants. The local economy depends on "
+            f"{industry}. Travellers reach it by the old road from {road.name}."
         )
         add(town, "town", text, [
             ("name", f"In what year was {town.name} founded?", (str(founded),)),

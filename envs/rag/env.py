@@ -12,7 +12,7 @@ from agentenv.env.parsers import ActionParser
 from agentenv.env.spaces import Message
 from agentenv.env.tools import Tool, tool
 from agentenv.errors import InvalidOptionError, TaskSourceError
-from envs.rag.bridge import bridge_demonstration
+from envs.rag.bridge import bridge_demonstration, without_bridge_leaks
 from envs.rag.corpus import Document, chunk_documents, load_corpus
 from envs.rag.data import bundled
 from envs.rag.errors import BadKError, EmptyQueryError, QueryTooLongError, SearchLimitError
@@ -46,7 +46,7 @@ class RAGEnv(ToolEnv):
     The default data is a generated fictional encyclopedia (360 articles, 990 questions;
     see :mod:`envs.rag.data`) whose facts no model can know, so answering needs
     retrieval. ``corpus=`` / ``qa=`` swap in your own documents and questions.
-    ``question_types=["bridge"]`` selects its 424 two-hop questions instead (opt-in; see
+    ``question_types=["bridge"]`` selects its 392 two-hop questions instead (opt-in; see
     :mod:`envs.rag.bridge`).
 
     Tool: ``search(query, k=default_k)`` returns up to ``k`` numbered passages
@@ -190,7 +190,7 @@ class RAGEnv(ToolEnv):
         if num_tasks is not None and num_tasks < 1:
             raise InvalidOptionError(f"num_tasks must be >= 1, got {num_tasks}")
         documents, items = _load_data(corpus, qa)
-        items = select_types(items, question_types)
+        items = without_bridge_leaks(select_types(items, question_types))
         self._items = split_items(items, split)[:num_tasks]
         if not self._items:
             raise TaskSourceError(

@@ -16,6 +16,7 @@ from envs.rag.bridge import (
     match_question,
     vague_queries,
     wants_requery,
+    without_bridge_leaks,
 )
 from envs.rag.data import QUESTION_TYPES, SINGLE_HOP_TYPES
 from envs.rag.env import _load_data
@@ -65,7 +66,7 @@ def test_bridge_questions_need_both_articles_and_never_name_the_second(bundled_b
     docs, qa = bundled_bridge
     by_id = {d.id: d for d in docs}
     items = bridges(qa)
-    assert len(items) == 424 and len({q.id for q in items}) == len(items)
+    assert len(items) == 392 and len({q.id for q in items}) == len(items)
     assert {q.metadata["relation"] for q in items} == {r.name for r in RELATIONS}
     for q in items:
         first, second = (by_id[g] for g in q.gold_doc_ids)
@@ -86,16 +87,27 @@ def test_bridge_questions_need_both_articles_and_never_name_the_second(bundled_b
 
 def test_bridge_splits_are_leak_free(bundled_bridge):
     _, qa = bundled_bridge
-    gold = {
-        split: {g for q in qa if split_of_item(q) == split for g in q.gold_doc_ids}
-        for split in ("train", "test")
-    }
-    assert not gold["train"] & gold["test"]
-    items = bridges(qa)
+
+    def gold(items, split):
+        return {g for q in items if split_of_item(q) == split for g in q.gold_doc_ids}
+
+    single, items = [q for q in qa if q not in bridges(qa)], bridges(qa)
+    assert not gold(single, "train") & gold(single, "test")
+    assert not gold(items, "train") & gold(items, "test")
     for q in items:  # both articles on the item's side, which is set explicitly
         assert q.split == doc_split(q.gold_doc_ids[0]) == doc_split(q.gold_doc_ids[1])
-    assert sum(q.split == "test" for q in items) == 25  # two test articles: ~4% of facts
-    assert sum(q.split == "train" for q in items) == 399
+    # a single-hop test article is a bridge test article: bridge training never sees it
+    assert all(doc_split(g) == "test" for g in gold(single, "test"))
+    assert not gold(items, "train") & gold(single, "test")
+    # mixing the kinds drops the single-hop train questions about bridge test articles
+    mixed = without_bridge_leaks(qa)
+    assert not gold(mixed, "train") & gold(mixed, "test")
+    assert [q for q in mixed if split_of_item(q) == "test"] == [
+        q for q in qa if split_of_item(q) == "test"
+    ]
+    assert without_bridge_leaks(single) == single and without_bridge_leaks(items) == items
+    assert sum(q.split == "test" for q in items) == 184  # both articles test: ~1/4 of facts
+    assert sum(q.split == "train" for q in items) == 208
 
 
 def test_default_task_list_is_unchanged_and_bridge_is_opt_in(small_data, small_env_kwargs):
@@ -111,9 +123,10 @@ def test_default_task_list_is_unchanged_and_bridge_is_opt_in(small_data, small_e
     assert RAGEnv(**kwargs, question_types="bridge")._items == only._items
     both = RAGEnv(**kwargs, question_types=["name", "bridge"])
     assert {t.metadata["qtype"] for t in both._items} == {"name", "bridge"}
-    assert both.num_tasks == only.num_tasks + sum(
-        q.metadata["qtype"] == "name" for q in plain._items
-    )
+    names = [q for q in plain._items if q.metadata["qtype"] == "name"]
+    kept = [q for q in names if all(doc_split(g) == "train" for g in q.gold_doc_ids)]
+    assert 0 < len(kept) < len(names)  # less those about a bridge test article
+    assert both.num_tasks == only.num_tasks + len(kept)
     assert both.get_task(both.num_tasks - 1).metadata["qtype"] == "bridge"  # order kept
 
 
@@ -140,7 +153,11 @@ def test_requery_picks_about_a_third_of_the_tasks_stably(bundled_bridge):
     assert picked == [i for i in ids if wants_requery(i)]
     relation = RELATIONS[0]
     assert vague_queries(relation, "Oriane Thask")[0] == relation.question.format(subject="Oriane")
-    assert vague_queries(RELATIONS[-1], "the Zorth Lantern")[0].endswith("the Lantern born?")
+    by_name = {r.name: r for r in RELATIONS}
+    assert vague_queries(by_name["maker"], "the Zorth Lantern")[0].endswith("the Lantern born?")
+    assert vague_queries(by_name["road"], "Brevonne")[0] == (
+        "In what year was the town that the old road to the town starts from founded?"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +216,7 @@ def test_bridge_demonstrations_search_twice_and_score_1(bridge_env, bundled_brid
         else:
             assert info["num_searches"] == 2 and actions[:2] == hops
         assert f"(doc {first}," in outputs[-3] and f"(doc {second}," in outputs[-2]
-    assert 0.25 < requeried / len(sample) < 0.42  # 138 of 399 when measured
+    assert 0.25 < requeried / len(sample) < 0.42  # 68 of 208 when measured
 
 
 def test_bridge_demonstrations_read_no_gold_and_replay_for_sft(bridge_env, tokenizer):
@@ -219,8 +236,14 @@ def test_single_hop_demonstrations_are_unchanged_beside_bridge_ones(small_env_kw
     _, qa = generate(6, 7, bridge=True)
     env = RAGEnv(**{**small_env_kwargs, "qa": qa}, question_types=list(QUESTION_TYPES))
     plain = RAGEnv(**small_env_kwargs)
-    for i in range(0, plain.num_tasks, 4):  # the single-hop tasks come first, in order
-        assert env.demonstration(env.get_task(i)) == plain.demonstration(plain.get_task(i))
+    by_id = {task.id: task for task in map(plain.get_task, range(plain.num_tasks))}
+    checked = 0
+    for i in range(0, env.num_tasks, 4):  # single-hop tasks (less leaky ones) come first
+        task = env.get_task(i)
+        if task.id in by_id:
+            assert env.demonstration(task) == plain.demonstration(by_id[task.id])
+            checked += 1
+    assert checked > plain.num_tasks // 8
     assert len(env.demonstration(env.get_task(env.num_tasks - 1))) in (3, 4)
 
 
