@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, SupportsFloat
 
 from agentenv.env.core import Task, ToolEnv
 from agentenv.env.parsers import ActionParser
-from agentenv.env.tools import tool
+from agentenv.env.spaces import Message
+from agentenv.env.tools import Tool, tool
+from envs.calculator import prices
 from envs.calculator.safe_eval import evaluate, format_number
 from envs.calculator.tasks import load_tasks
 
@@ -19,6 +21,15 @@ COMPACT_PROMPT = (
     "When you have the result, reply with <answer>the number</answer>."
 )
 """A ~50-token system prompt for small models and CPU training (``prompt_style="compact"``)."""
+
+PRICES_COMPACT_PROMPT = (
+    "Look up each item's price, one item per call, then add up with the calculator:\n"
+    '<tool_call>{"name": "price", "arguments": {"item": "lamp"}}</tool_call>\n'
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 15 + 3 * 7"}}'
+    "</tool_call>\n"
+    "When you have the total, reply with <answer>the number</answer>."
+)
+"""The compact prompt of ``source="prices"`` (it shows both tools)."""
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
@@ -66,10 +77,18 @@ class CalculatorEnv(ToolEnv):
     ``tool_errors`` (count per error kind), ``turn``, ``task_id``, ``task`` and,
     at the end, ``answer``, ``gold`` and ``parsed_answer``.
 
+    ``source="prices"`` (shopping problems, :mod:`envs.calculator.prices`) adds a
+    ``price(item)`` tool that knows the task's shop's prices: two lookups, then the
+    calculator. Its steps also report ``prices_found`` (per item asked, in the
+    question's order: looked up yet) and ``turn_reward``, the share of the asked items'
+    prices first looked up by this step (a per-turn reward for ``credit="turn"`` /
+    ``"gae"``; not part of the episode's reward).
+
     Args:
         split: ``"train"`` or ``"test"`` (disjoint).
-        source: ``"gsm_symbolic"`` (default), ``"basic_arithmetic"`` or ``"gsm8k"``;
-            see :mod:`envs.calculator.tasks`.
+        source: ``"gsm_symbolic"`` (default), ``"basic_arithmetic"``,
+            ``"word_problems"``, ``"prices"`` or ``"gsm8k"``; see
+            :mod:`envs.calculator.tasks`.
         num_tasks: Tasks in the split (default 2000 train / 500 test).
         path: Local GSM8K JSONL/Parquet file for ``source="gsm8k"``.
         source_config: Extra reasoning-gym config, e.g. ``{"max_terms": 4}``.
@@ -103,8 +122,10 @@ class CalculatorEnv(ToolEnv):
         prompt_style: str = "full",
         render_mode: str | None = None,
     ):
+        self._looked_up: set[str] = set()  # this episode's items with a price returned
+        tools = [calculator, self._make_price_tool()] if source == "prices" else [calculator]
         super().__init__(
-            [calculator],
+            tools,
             split=split,
             parser=parser,
             max_turns=max_turns,
@@ -127,21 +148,63 @@ class CalculatorEnv(ToolEnv):
     def get_task(self, index: int) -> Task:
         return self._tasks[index]
 
+    def _make_price_tool(self) -> Tool:
+        def price(item: str) -> str:
+            """Look up the price of one item at this task's shop.
+
+            Args:
+                item: The item's singular name, e.g. "lantern".
+            """
+            assert self.task is not None
+            table = self.task.metadata["prices"]
+            result = prices.lookup(table, item)
+            if result.split(":", 1)[0] in table:
+                self._looked_up.add(result.split(":", 1)[0])
+            return result
+
+        return tool(price, name="price")
+
+    def on_reset(self, task: Task) -> None:
+        self._looked_up = set()
+
+    def step(self, action: str) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
+        before = set(self._looked_up)
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.source == "prices":
+            assert self.task is not None
+            asked = list(self.task.metadata["quantities"])
+            new = [item for item in asked if item in self._looked_up and item not in before]
+            info["prices_found"] = [item in self._looked_up for item in asked]
+            info["turn_reward"] = len(new) / len(asked)
+        return obs, reward, terminated, truncated, info
+
     def instructions(self) -> str:
+        if self.source == "prices":
+            return (
+                "You solve shopping problems. Look up the price of each item with the price "
+                "tool (one item per call, by its singular name), compute the total with the "
+                "calculator, then give only the final number in <answer></answer> tags."
+            )
         return (
             "You solve math problems. Use the calculator tool for every arithmetic step, "
             "then give only the final number in <answer></answer> tags."
         )
 
     def compact_prompt(self) -> str:
-        return COMPACT_PROMPT
+        return PRICES_COMPACT_PROMPT if self.source == "prices" else COMPACT_PROMPT
 
     def demonstration(self, task: Task) -> list[str] | None:
-        """One calculator call with the task's expression, then the answer.
+        """One calculator call with the task's expression, then the answer; for
+        ``source="prices"``, the two lookups first (a third, by the plural, that misses
+        on about a third of the tasks: :func:`envs.calculator.prices.demonstration`).
 
         Available for sources whose tasks carry an expression (``word_problems``,
-        ``basic_arithmetic``); ``None`` otherwise.
+        ``basic_arithmetic``, ``prices``); ``None`` otherwise.
         """
+        if "quantities" in task.metadata:
+            return prices.demonstration(
+                task.id, task.metadata["quantities"], task.metadata["prices"]
+            )
         expression = task.metadata.get("expression")
         if not expression:
             return None

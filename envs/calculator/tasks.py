@@ -11,6 +11,9 @@ Sources:
   ``reasoning-gym`` package; ``config`` is passed to its dataset config.
 * ``"word_problems"``: two-step arithmetic word problems from
   :mod:`envs.calculator.word_problems` (offline; each task carries its expression).
+* ``"prices"``: shopping problems whose prices only the env's ``price`` tool knows
+  (:mod:`envs.calculator.prices`; two lookups, then the calculator); each task carries
+  its shop's ``prices`` and the ``quantities`` asked.
 * ``"gsm8k"``: ``path=None`` loads the hub dataset ``openai/gsm8k`` (needs the hub;
   its own train/test splits are used); ``path="file.jsonl"`` or ``.parquet`` loads a
   local file with ``question`` and ``answer`` columns (GSM8K's ``... #### 72``
@@ -29,7 +32,7 @@ from typing import Any
 from agentenv.env.core import Task
 from agentenv.errors import InvalidOptionError, TaskSourceError
 
-GENERATED_SOURCES = ("gsm_symbolic", "basic_arithmetic", "word_problems")
+GENERATED_SOURCES = ("gsm_symbolic", "basic_arithmetic", "word_problems", "prices")
 SOURCES = (*GENERATED_SOURCES, "gsm8k")
 TEST_FRACTION = 0.2
 DEFAULT_NUM_TASKS = {"train": 2000, "test": 500}
@@ -130,7 +133,11 @@ def _generated(
                 id=f"{source}-{i}",
                 prompt=item["question"],
                 answer=parse_gsm8k_answer(item["answer"]),
-                metadata={"source": source, "expression": item["metadata"].get("expression")},
+                metadata={
+                    "source": source,
+                    "expression": item["metadata"].get("expression"),
+                    **item.get("task_metadata", {}),
+                },
             )
             for i, item in enumerate(dataset)
             if split_of(item["question"]) == split
@@ -145,7 +152,22 @@ def _generated(
 
 
 def _create(source: str, size: int, seed: int, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Items ``{"question", "answer", "metadata": {"expression"?}}`` of a generated source."""
+    """Items ``{"question", "answer", "metadata": {"expression"?}, "task_metadata"?}`` of a
+    generated source (``task_metadata``: more keys of the task's metadata)."""
+    if source == "prices":
+        from envs.calculator import prices
+
+        if config:
+            raise TypeError(f"prices takes no config, got {config}")
+        return [
+            {
+                "question": p.question,
+                "answer": str(p.answer),
+                "metadata": {"expression": p.expression},
+                "task_metadata": {"prices": p.prices, "quantities": p.quantities},
+            }
+            for p in prices.generate(size, seed)
+        ]
     if source == "word_problems":
         from envs.calculator import word_problems
 
