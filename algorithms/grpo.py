@@ -317,16 +317,16 @@ class GRPO(Trainer):
         valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])  # (B, G)
         zero_std = without_signal(rewards, valid)  # (B,) over the valid members
         no_signal = zero_std  # (B,)
-        if cfg.credit != "bandit":
+        if cfg.credit != "bandit":  # a group whose turns' returns differ still teaches
             turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
-        if cfg.credit == "turn":  # a group whose turns' returns differ still teaches
             no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma)
-        elif cfg.credit == "gae":  # the critic's advantages are not relative to the group
-            no_signal = torch.zeros_like(zero_std)
-        keep = [  # failed episodes teach nothing; zero-variance groups under a group baseline
+        # failed episodes teach nothing; groups without a signal under a group baseline
+        # neither (the critic's advantages under gae are not relative to the group)
+        drop = no_signal if group_baseline and cfg.credit != "gae" else torch.zeros_like(no_signal)
+        keep = [
             i
             for i in range(len(episodes))
-            if valid.view(-1)[i] and (cfg.beta > 0 or not group_baseline or not no_signal[i // g])
+            if valid.view(-1)[i] and (cfg.beta > 0 or not drop[i // g])
         ]
         batches, totals, rows = self._micro_batches(episodes, keep)
         kl_stats: dict[str, float] = {}
@@ -377,7 +377,7 @@ class GRPO(Trainer):
             metrics["kl"] = kl_stats.get("kl", 0.0)
         metrics["sampler/logprob_abs_diff_mean"] = sums.get("sampler_diff", 0.0) / tokens
         metrics["grad_norm"] = sums.get("grad_norm", 0.0) / iters
-        metrics.update(self._batch_stats(rewards, advantages, zero_std, valid, episodes))
+        metrics.update(self._batch_stats(rewards, advantages, zero_std, no_signal, valid, episodes))
         metrics.update(kl_stats)
         metrics.update(component_stats)
         metrics.update(critic_stats)
@@ -391,10 +391,15 @@ class GRPO(Trainer):
         rewards: torch.Tensor,
         advantages: torch.Tensor,
         zero_std: torch.Tensor,
+        no_signal: torch.Tensor,
         valid: torch.Tensor,
         episodes: list[EpisodeLike],
     ) -> dict[str, float]:
-        """Reward/advantage statistics over the whole batch (all processes, any split)."""
+        """Reward/advantage statistics over the whole batch (all processes, any split).
+
+        ``frac_reward_zero_std``: the groups whose valid members' rewards are all equal;
+        ``frac_no_signal``: those with no learning signal under the run's credit (with
+        ``turn`` or ``gae``, also equal per-turn returns; with ``bandit`` the same)."""
         r, a = rewards.double(), advantages.double()  # (B, G)
         policy_tokens = sum(sum(ep.action_mask) for ep in episodes)
         all_tokens = sum(len(ep.input_ids) for ep in episodes)
@@ -410,6 +415,7 @@ class GRPO(Trainer):
                 policy_tokens,
                 all_tokens,
                 (~valid).sum(),
+                no_signal.sum(),
             ],
             "sum",
         )
@@ -420,6 +426,7 @@ class GRPO(Trainer):
             "advantages/mean": s[2] / n,
             "advantages/std": max(s[3] / n - (s[2] / n) ** 2, 0.0) ** 0.5,
             "frac_reward_zero_std": s[5] / s[6],
+            "frac_no_signal": s[10] / s[6],
             "trainable_ratio": s[7] / s[8],
             "frac_failed": s[9] / n,
             "num_sequences": n,

@@ -1,14 +1,12 @@
 """Saying, once per run, that ``agentenv train`` is learning nothing.
 
 GRPO learns from the reward differences between the G episodes of a task's group: a
-step in which every group's rewards are equal (``frac_reward_zero_std == 1.0`` in the
-metrics ``GRPO.learn`` returns) gives no reward gradient, whatever the loss settings.
+step in which every group's rewards are equal (``frac_no_signal == 1.0`` in the metrics
+``GRPO.learn`` returns; with ``credit="turn"`` or ``"gae"`` its per-turn returns too)
+gives no reward gradient, whatever the loss settings.
 Most often every reward is 0: the model never writes a tool call or an answer the env's
 parser reads. After :data:`NO_SIGNAL_STEPS` such steps in a row, the run prints one
 message with the likely fixes, written for the env and flags of the run.
-
-The watch reads rewards only: under ``credit="turn"`` a group with equal outcomes but
-different per-turn returns still teaches, and counts here as one without a signal.
 """
 
 from __future__ import annotations
@@ -30,8 +28,9 @@ NO_SIGNAL_STEPS = 3
 
 def has_signal(metrics: Mapping[str, float]) -> bool:
     """Whether a step's GRPO metrics show a learning signal: some group whose episodes'
-    rewards differ (``frac_reward_zero_std < 1``)."""
-    return metrics["frac_reward_zero_std"] < 1.0
+    rewards (or, under turn-level credit, per-turn returns) differ (``frac_no_signal <
+    1``; metrics without it: ``frac_reward_zero_std < 1``)."""
+    return metrics.get("frac_no_signal", metrics["frac_reward_zero_std"]) < 1.0
 
 
 @dataclass

@@ -29,6 +29,7 @@ METRIC_KEYS = {
     "rewards/mean",
     "rewards/std",
     "frac_reward_zero_std",
+    "frac_no_signal",
     "frac_failed",
     "trainable_ratio",
     "entropy",

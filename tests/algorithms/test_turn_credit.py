@@ -114,7 +114,9 @@ def test_turn_credit_trains_each_turns_tokens_with_its_advantage(tokenizer, monk
         grpo, "policy_loss", lambda *a, **k: seen.append((a[2], a[3])) or real(*a, **k)
     )
     trainer = GRPO(build(tokenizer), tokenizer, config(credit="turn"), sampling=SAMPLING)
-    trainer.learn(groups)
+    metrics = trainer.learn(groups)
+    # the second group's outcomes are equal, its turns' returns are not: it has a signal
+    assert metrics["frac_reward_zero_std"] == 0.5 and metrics["frac_no_signal"] == 0.0
     expected = turn_advantages(
         trainer.last_advantages,
         [[e.turn_rewards for e in g] for g in groups],

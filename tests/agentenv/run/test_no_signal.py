@@ -41,6 +41,13 @@ def test_a_step_with_signal_restarts_the_count():
     assert not any(fires(SignalWatch(), [SOME] * 10))
 
 
+def test_under_turn_credit_equal_outcomes_with_different_turn_returns_teach():
+    """GRPO's ``frac_no_signal`` counts per-turn returns too; the watch reads it first."""
+    turns = {"frac_reward_zero_std": 1.0, "frac_no_signal": 0.75, "rewards/mean": 0.0}
+    assert not any(fires(SignalWatch(), [turns] * 5))
+    assert fires(SignalWatch(), [{**turns, "frac_no_signal": 1.0}] * 3)[-1]
+
+
 def test_equal_nonzero_rewards_are_no_signal_either():
     watch = SignalWatch(patience=2)
     solved = {"frac_reward_zero_std": 1.0, "rewards/mean": 1.0}
