@@ -391,9 +391,10 @@ def hidden_before(
     token's logits). With the first token of each policy turn marked: the state the
     turn is taken from, which the ``gae`` critic reads.
 
-    One forward without the LM head (the rows' common prefix prefilled once, as in
-    :func:`forward_logprobs`); call it under ``no_grad``. Needs a plain linear LM head
-    (:func:`plain_head_width`).
+    One forward without the LM head, sharing what the rows share as
+    :func:`forward_logprobs` does (their prefix tree where it saves enough, else their
+    common prefix prefilled once); call it under ``no_grad``. Needs a plain linear LM
+    head (:func:`plain_head_width`).
     """
     head = _plain_head(model)
     if head is None:
@@ -406,7 +407,16 @@ def hidden_before(
         raise ValueError("position 0 is predicted by no hidden state; mark tokens after it")
     start = int(cols.min())
     prefix = _common_prefix(input_ids, attention_mask, start - 1)
+    tree = None
+    if n > 1 and tree_attention_applies(model):
+        tree = PrefixTree.from_rows(input_ids, attention_mask)
+        if len(tree) > TREE_BELOW * (int(attention_mask.sum()) - (n - 1) * prefix):
+            tree = None
     with _hidden_states_out(model, head[0]):
+        if tree is not None:  # each marked token's parent node holds the hidden state
+            out = model(**tree.model_inputs(), use_cache=False).logits  # (R, W, H)
+            parents = tree.parents[tree.node_of[rows, cols]]  # (M,)
+            return out.flatten(0, 1)[tree.flat_index(parents)].float()
         out = _forward(model, input_ids, attention_mask, t - start + 1, prefix)  # (N, ., H)
     return out[rows, cols - start].float()  # out[:, j] is position start - 1 + j
 

@@ -116,6 +116,27 @@ def test_hidden_before_is_what_the_head_turns_into_the_tokens_logits(tokenizer):
         hidden_before(model, mb.input_ids, mb.attention_mask, torch.ones_like(marked))
 
 
+def test_hidden_before_on_rows_that_run_as_a_prefix_tree(tokenizer, monkeypatch):
+    """A group whose episodes go on alike runs as its prefix tree: the same states."""
+    from algorithms.prefix_tree import PrefixTree
+
+    model = build(tokenizer)
+    base = make_groups([[1]])[0][0].input_ids
+    ids = torch.tensor([base] * 2 + [base[:-2] + [7, 8]] * 2)
+    attn = torch.ones_like(ids)
+    marked = torch.zeros_like(ids, dtype=torch.bool)
+    marked[:, 5] = marked[:, -1] = True
+    sizes, real = [], PrefixTree.model_inputs
+    monkeypatch.setattr(PrefixTree, "model_inputs", lambda t: sizes.append(len(t)) or real(t))
+    with torch.no_grad():
+        hidden = hidden_before(model, ids, attn, marked)
+        logits = model(input_ids=ids, attention_mask=attn).logits
+    assert sizes == [len(base) + 2]  # one tree: what the rows share, once
+    rows, cols = marked.nonzero(as_tuple=True)
+    head = _unwrap(model).lm_head
+    torch.testing.assert_close(head(hidden), logits[rows, cols - 1], atol=1e-4, rtol=1e-4)
+
+
 def test_learn_gives_each_turn_its_advantage_and_trains_the_critic(tokenizer):
     cfg = config(turn_weight=0.5, gae_lambda=1.0)
     trainer = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
