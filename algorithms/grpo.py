@@ -522,10 +522,10 @@ class GRPO(Trainer):
         g = rewards.shape[1]
         order = sorted(hidden)  # every valid episode is kept under gae
         states = torch.cat([hidden[i] for i in order]) if order else torch.zeros(0, 1)
-        flat = critic.values(states).tolist() if order else []  # (M,)
+        flat = critic.values(states) if order else torch.zeros(0)  # (M,)
         values: list[list[list[float]]] = [[[] for _ in range(g)] for _ in range(len(rewards))]
-        for i in order:
-            values[i // g][i % g], flat = flat[: len(hidden[i])], flat[len(hidden[i]) :]
+        for i, v in zip(order, flat.split([len(hidden[i]) for i in order]), strict=True):
+            values[i // g][i % g] = v.tolist()
         if cfg.reward_clip is not None:
             rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
         per_turn, targets = gae_advantages(

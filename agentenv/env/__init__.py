@@ -7,4 +7,5 @@
   of the model's text, and run with a time limit, never raising into the episode.
 - ``registration``: ``make`` / ``register`` on gymnasium's registry, ``agentenv/`` namespace.
 - ``play``: play one episode with any ``messages -> text`` callable.
+- ``splits``: stable hashes that put a task on the train or test side on every machine.
 """

@@ -15,11 +15,11 @@ Problems are a pure function of ``(seed, index)``, like :mod:`~envs.calculator.w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass
 
+from agentenv.env.splits import stable_fraction
 from envs.calculator.word_problems import _NAMES
 
 ITEMS = (
@@ -88,8 +88,7 @@ def lookup(prices: dict[str, int], item: str) -> str:
 
 def wants_requery(task_id: str) -> bool:
     """Whether the demonstration of ``task_id`` first looks an item up by its plural."""
-    digest = hashlib.blake2b(f"requery:{task_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 < REQUERY_FRACTION
+    return stable_fraction(f"requery:{task_id}") < REQUERY_FRACTION
 
 
 def demonstration(task_id: str, quantities: dict[str, int], prices: dict[str, int]) -> list[str]:

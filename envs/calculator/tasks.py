@@ -23,13 +23,14 @@ Sources:
 from __future__ import annotations
 
 import functools
-import hashlib
+import importlib
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 from agentenv.env.core import Task
+from agentenv.env.splits import stable_hash
 from agentenv.errors import InvalidOptionError, TaskSourceError
 
 GENERATED_SOURCES = ("gsm_symbolic", "basic_arithmetic", "word_problems", "prices")
@@ -42,8 +43,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 def split_of(question: str, test_fraction: float = TEST_FRACTION) -> str:
     """``"test"`` or ``"train"``, decided by a stable hash of the normalised question."""
     norm = " ".join(question.lower().split())
-    bucket = int.from_bytes(hashlib.blake2b(norm.encode(), digest_size=8).digest(), "big")
-    return "test" if (bucket % 10_000) < test_fraction * 10_000 else "train"
+    return "test" if (stable_hash(norm) % 10_000) < test_fraction * 10_000 else "train"
 
 
 def parse_gsm8k_answer(answer: str) -> str:
@@ -154,33 +154,21 @@ def _generated(
 def _create(source: str, size: int, seed: int, config: dict[str, Any]) -> list[dict[str, Any]]:
     """Items ``{"question", "answer", "metadata": {"expression"?}, "task_metadata"?}`` of a
     generated source (``task_metadata``: more keys of the task's metadata)."""
-    if source == "prices":
-        from envs.calculator import prices
-
+    if source in ("prices", "word_problems"):  # the bundled generators
         if config:
-            raise TypeError(f"prices takes no config, got {config}")
-        return [
-            {
-                "question": p.question,
-                "answer": str(p.answer),
-                "metadata": {"expression": p.expression},
-                "task_metadata": {"prices": p.prices, "quantities": p.quantities},
-            }
-            for p in prices.generate(size, seed)
-        ]
-    if source == "word_problems":
-        from envs.calculator import word_problems
-
-        if config:
-            raise TypeError(f"word_problems takes no config, got {config}")
-        return [
-            {
+            raise TypeError(f"{source} takes no config, got {config}")
+        module = importlib.import_module(f"envs.calculator.{source}")
+        items = []
+        for p in module.generate(size, seed):
+            item = {
                 "question": p.question,
                 "answer": str(p.answer),
                 "metadata": {"expression": p.expression},
             }
-            for p in word_problems.generate(size, seed)
-        ]
+            if source == "prices":
+                item["task_metadata"] = {"prices": p.prices, "quantities": p.quantities}
+            items.append(item)
+        return items
     import reasoning_gym
 
     return list(reasoning_gym.create_dataset(source, size=size, seed=seed, **config))

@@ -23,11 +23,11 @@ they joined): one search could find both articles.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from agentenv.env.splits import stable_fraction
 from envs.rag.baselines import parse_passages, search_action
 from envs.rag.qa import QAItem, split_of_item
 
@@ -211,8 +211,7 @@ def match_question(question: str) -> tuple[Relation, str] | None:
 
 def wants_requery(task_id: str) -> bool:
     """Whether the demonstration of ``task_id`` starts with a missing search (stable)."""
-    digest = hashlib.blake2b(f"requery:{task_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 < REQUERY_FRACTION
+    return stable_fraction(f"requery:{task_id}") < REQUERY_FRACTION
 
 
 def vague_queries(relation: Relation, subject: str) -> list[str]:

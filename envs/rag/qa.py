@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.env.splits import stable_fraction
 from agentenv.errors import InvalidOptionError
 from envs.rag.corpus import Document, load_hf_dataset, read_jsonl
 from envs.rag.errors import CorpusError, QAFileError
@@ -50,17 +51,12 @@ class QAItem:
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
-def _bucket(key: str) -> float:
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
 def split_of_item(item: QAItem, test_fraction: float = TEST_FRACTION) -> str:
     """The split of ``item``: its own ``split`` or a stable hash of its gold docs/question."""
     if item.split is not None:
         return item.split
     key = "|".join(sorted(item.gold_doc_ids)) or " ".join(item.question.lower().split())
-    return "test" if _bucket(key) < test_fraction else "train"
+    return "test" if stable_fraction(key) < test_fraction else "train"
 
 
 def split_items(

@@ -22,12 +22,12 @@ so every family and level is equally represented and ``task_id`` is deterministi
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import random
 from dataclasses import dataclass
 
 from agentenv.env.core import Task
+from agentenv.env.splits import stable_hash
 from agentenv.errors import InvalidOptionError, TaskSourceError
 from envs.workspace.families import FAMILIES
 from envs.workspace.families.base import TaskSpec, ToolCallSpec
@@ -67,8 +67,7 @@ def family_names() -> tuple[str, ...]:
 
 def split_of(key: str, test_fraction: float = TEST_FRACTION) -> str:
     """``"test"`` or ``"train"``, from a stable hash of ``key``."""
-    bucket = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "test" if bucket % 10_000 < test_fraction * 10_000 else "train"
+    return "test" if stable_hash(key) % 10_000 < test_fraction * 10_000 else "train"
 
 
 def _signature(spec: TaskSpec) -> str:
