@@ -1,7 +1,8 @@
 """Precision: the dtype names a user may give, what ``"auto"`` means, and autocast.
 
 One list, :data:`DTYPES`, and one meaning of ``"auto"`` (:func:`resolve_dtype`: bfloat16
-on a GPU that supports it and on a CPU with native bfloat16, else float32), used by the
+on a GPU that supports it and on a CPU with native bfloat16, else float32; never float16,
+which a user asks for by name), used by the
 command line, the configs, model loading and the sampler. This module imports torch only
 inside its functions, so the command line can list the choices without loading torch.
 
@@ -60,7 +61,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     """The compute dtype for ``dtype`` on ``device``.
 
     ``"auto"``: bfloat16 on a CUDA device that supports it and on a CPU with native
-    bfloat16 (:func:`cpu_supports_bf16`), else float32.
+    bfloat16 (:func:`cpu_supports_bf16`), else float32. Never float16: a GPU without
+    bfloat16 (a T4, a V100) gets float32, since float16 training needs loss scaling to keep
+    small gradients from underflowing; ask for ``"float16"`` by name to sample in it.
 
     Raises:
         InvalidOptionError: ``dtype`` is not one of :data:`DTYPES` or a float ``torch.dtype``.
@@ -76,7 +79,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     if dtype != "auto":
         return getattr(torch, dtype)
     if kind == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if kind == "cpu" and cpu_supports_bf16() else torch.float32
 
 

@@ -39,9 +39,10 @@ class CommandConfig:
     device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
     dtype: str = option(
         "auto",
-        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and on CPUs with "
-        "native bf16, else float32), float32, bfloat16, float16 (GPU only). Trained weights "
-        "stay float32; a LoRA run keeps its frozen base in this dtype.",
+        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and CPUs with "
+        "native bf16, else float32; never float16), float32, bfloat16, float16 (GPU only; "
+        "trains without loss scaling). Trained weights stay float32; a LoRA run keeps its "
+        "frozen base in this dtype.",
     )
 
     def __post_init__(self) -> None:
@@ -182,8 +183,8 @@ class EvalConfig:
     num_tasks: int | None = option(200, "The split's first N tasks (none: all of them).")
     samples: int = option(1, "Episodes per task (K); pass@k is reported for k = 1, 2, 4 .. K.")
     temperature: float = option(0.0, "Sampling temperature; 0 = greedy (the default for K=1).")
-    max_turns: int = option(5, "Policy turns per episode.")
-    max_new_tokens: int = option(128, "Tokens per policy turn.")
+    max_turns: int = option(3, "Policy turns per episode (the training rollout's default).")
+    max_new_tokens: int = option(96, "Tokens per policy turn.")
     max_episode_tokens: int = option(2048, "Token budget per episode.")
     tasks_per_batch: int = option(16, "Tasks whose episodes are generated together.")
     seed: int = option(0, "Base reset seed (task i uses seed + i).")
@@ -216,9 +217,7 @@ class EvalRunConfig(CommandConfig):
     )
     judge_model: str | None = option(None, "The model name an OpenAI-compatible judge expects.")
     output: str | None = option(None, "Write the report as JSON to this path.")
-    eval: EvalConfig = option(
-        EvalConfig(max_turns=3, max_new_tokens=96), "What to evaluate (section)."
-    )
+    eval: EvalConfig = option(EvalConfig(), "What to evaluate (section).")
     generation: EngineConfig = option(
         EngineConfig(), "Which engine samples the episodes (section)."
     )

@@ -58,6 +58,15 @@ def test_resolve_dtype(monkeypatch):
         resolve_dtype("fp8")
 
 
+@pytest.mark.parametrize(("bf16", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_on_a_gpu_is_bfloat16_or_float32_never_float16(monkeypatch, bf16, expected):
+    """A GPU without bf16 (T4, V100) computes in float32 under ``auto``: float16 would
+    train without the loss scaling its small gradients need."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert resolve_dtype("auto", "cuda") == expected
+    assert resolve_dtype("float16", "cuda") == torch.float16  # by name, it is what was asked
+
+
 def test_sampling_config_validation():
     with pytest.raises(InvalidOptionError, match="top_k"):
         SamplingConfig(top_k=-1)
