@@ -15,6 +15,7 @@ agentenv quickstart                        SFT -> GRPO -> eval on the default, i
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -193,15 +194,37 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidOptionError(
             f"agentenv serve needs OpenEnv: {exc}; `pip install 'agentenv[openenv]'`"
         ) from exc
+    from agentenv.integrations.openenv.server import TOKEN_ENV_VAR
+
+    token = args.token or os.environ.get(TOKEN_ENV_VAR) or None
+    local = _is_loopback(args.host)
+    if not local and token is None:
+        raise InvalidOptionError(
+            f"--host {args.host} lets other machines reach the env: pass --token SECRET (or "
+            f"set {TOKEN_ENV_VAR}; clients send the same), or serve on 127.0.0.1"
+        )
     application = app(
         args.env_id,
         max_sessions=args.max_sessions,
         step_timeout_s=args.step_timeout_s or None,
+        token=token,
+        require_bwrap=not local and not args.allow_unsandboxed_code,
         **args.env_kwargs,
     )
-    print(f"serving {args.env_id} on http://{args.host}:{args.port} (OpenEnv; Ctrl-C stops)")
+    guard = "; requests need the token" if token else ""
+    print(f"serving {args.env_id} on http://{args.host}:{args.port} (OpenEnv{guard}; Ctrl-C stops)")
     uvicorn.run(application, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` only reaches this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -430,7 +453,23 @@ def build_parser() -> argparse.ArgumentParser:
         default={},
         help='env constructor arguments as JSON; "split" is the default split of reset',
     )
-    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="0.0.0.0 to accept other machines (then a --token is required)",
+    )
+    p.add_argument(
+        "--token",
+        default=None,
+        help="a shared secret every request must carry (Authorization: Bearer TOKEN); "
+        "default $AGENTENV_SERVE_TOKEN; agentenv's clients send the same variable",
+    )
+    p.add_argument(
+        "--allow-unsandboxed-code",
+        action="store_true",
+        help="off loopback, serve an env that runs code without bubblewrap (rlimit: the "
+        "network open, world-readable files visible to the model's code)",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-sessions", type=int, default=64, help="most concurrent sessions (envs)")
     p.add_argument(

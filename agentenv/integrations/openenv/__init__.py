@@ -28,18 +28,26 @@ failure ends one episode, not the server.
     env = agentenv.make("OpenEnv-v0", base_url="http://127.0.0.1:8000")
     agentenv train OpenEnv-v0 --env-kwargs '{"base_url": "http://127.0.0.1:8000"}'
 
-so agentenv's GRPO trains on a remote env. A server that is not agentenv's works too:
+so agentenv's GRPO trains on a remote env.
+
+**Off this machine** (``--host 0.0.0.0``) ``agentenv serve`` requires a shared secret,
+``--token`` or ``$AGENTENV_SERVE_TOKEN``: every request but ``/health`` must carry
+``Authorization: Bearer TOKEN`` (:class:`RequireToken`), and :class:`OpenEnvClientEnv` and
+:func:`environment_factory` send ``token=`` or the same variable. There it also refuses an
+env that runs code outside bubblewrap (Workspace-v0 in ``rlimit`` mode) unless
+``--allow-unsandboxed-code``. A server that is not agentenv's works too:
 ``action_field`` names the action field that receives the model's text and ``num_tasks``
 how many seeds make its tasks (task ``i`` is ``reset(seed=i)``).
 """
 
-from agentenv.integrations.openenv.client import OpenEnvClientEnv, server_info
+from agentenv.integrations.openenv.client import OpenEnvClientEnv, TokenClient, server_info
 from agentenv.integrations.openenv.server import (
     INFO_ROUTE,
     AgentEnvAction,
     AgentEnvObservation,
     AgentEnvServer,
     AgentEnvState,
+    RequireToken,
     app,
     env_info,
     server_class,
@@ -54,6 +62,8 @@ __all__ = [
     "AgentEnvState",
     "OpenEnvClientEnv",
     "RemoteEnvironment",
+    "RequireToken",
+    "TokenClient",
     "app",
     "env_info",
     "environment_factory",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from typing import Any, SupportsFloat
@@ -10,22 +11,49 @@ from typing import Any, SupportsFloat
 from agentenv.env.core import TextEnv
 from agentenv.env.spaces import Message
 from agentenv.errors import AgentEnvError, InvalidOptionError
-from agentenv.integrations.openenv.server import INFO_ROUTE
+from agentenv.integrations.openenv.server import INFO_ROUTE, TOKEN_ENV_VAR  # says if no OpenEnv
+
+try:
+    from openenv.core import GenericEnvClient
+    from websockets.asyncio.client import connect as ws_connect
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        f"agentenv.integrations.openenv needs OpenEnv ({exc}); install it with "
+        "`pip install 'agentenv[openenv]'` (PyPI openenv-core)"
+    ) from exc
 
 
-def server_info(base_url: str) -> dict[str, Any] | None:
+def resolve_token(token: str | None) -> str | None:
+    """``token``, else ``$AGENTENV_SERVE_TOKEN``, else ``None`` (a server without one)."""
+    return token if token is not None else (os.environ.get(TOKEN_ENV_VAR) or None)
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The header a server started with ``--token`` checks (none without a token)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def server_info(base_url: str, token: str | None = None) -> dict[str, Any] | None:
     """What an agentenv server's :data:`INFO_ROUTE` answers; ``None`` from another server.
 
+    ``token`` (default ``$AGENTENV_SERVE_TOKEN``) goes as a bearer token.
+
     Raises:
-        AgentEnvError: when nothing answers at ``base_url``.
+        AgentEnvError: when nothing answers at ``base_url``, or it refuses the token.
     """
     url = base_url.rstrip("/").replace("ws://", "http://").replace("wss://", "https://")
+    request = urllib.request.Request(url + INFO_ROUTE, headers=auth_headers(resolve_token(token)))
     try:
-        with urllib.request.urlopen(url + INFO_ROUTE, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             return None
+        if exc.code == 401:
+            raise AgentEnvError(
+                f"{url} refused the request (HTTP 401): it was started with a token; pass "
+                f"the same one as token=... or in ${TOKEN_ENV_VAR}"
+            ) from exc
         raise AgentEnvError(f"{url}{INFO_ROUTE} answered HTTP {exc.code}") from exc
     except (urllib.error.URLError, OSError) as exc:
         raise AgentEnvError(
@@ -34,13 +62,40 @@ def server_info(base_url: str) -> dict[str, Any] | None:
         ) from exc
 
 
-def _connect(base_url: str, message_timeout_s: float = 300.0) -> Any:
-    """A connected synchronous OpenEnv session (``GenericEnvClient(...).sync()``)."""
-    from openenv.core import GenericEnvClient
+class TokenClient(GenericEnvClient):
+    """OpenEnv's ``GenericEnvClient`` whose WebSocket handshake carries a bearer token
+    (openenv-core 0.3's ``connect`` sends no headers; this is its ``connect`` with them)."""
 
-    client = GenericEnvClient(base_url=base_url, message_timeout_s=message_timeout_s).sync()
-    client.connect()
-    return client
+    def __init__(self, token: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._headers = auth_headers(token)
+
+    async def connect(self) -> TokenClient:
+        if self._ws is not None:
+            return self
+        local = any(h in self._ws_url for h in ("://127.0.0.1", "://localhost", "://[::1]"))
+        try:
+            self._ws = await ws_connect(
+                self._ws_url,
+                open_timeout=self._connect_timeout,
+                max_size=self._max_message_size,
+                additional_headers=self._headers,
+                **({"proxy": None} if local else {}),  # as OpenEnv's: no proxy to loopback
+            )
+        except Exception as exc:
+            raise ConnectionError(f"Failed to connect to {self._ws_url}: {exc}") from exc
+        return self
+
+
+def _connect(base_url: str, message_timeout_s: float = 300.0, token: str | None = None) -> Any:
+    """A connected synchronous OpenEnv session (``GenericEnvClient(...).sync()``), whose
+    WebSocket handshake carries ``token`` (default ``$AGENTENV_SERVE_TOKEN``)."""
+    token = resolve_token(token)
+    kwargs = {"base_url": base_url, "message_timeout_s": message_timeout_s}
+    client = GenericEnvClient(**kwargs) if token is None else TokenClient(token, **kwargs)
+    session = client.sync()
+    session.connect()
+    return session
 
 
 class OpenEnvClientEnv(TextEnv):
@@ -59,6 +114,8 @@ class OpenEnvClientEnv(TextEnv):
         action_field: Field of the server's action that receives the model's text.
         num_tasks: Tasks of a server that is not agentenv's (required there).
         message_timeout_s: Longest wait for one reply of the server.
+        token: The server's bearer token (``agentenv serve --token``); default
+            ``$AGENTENV_SERVE_TOKEN``, none if unset.
     """
 
     def __init__(
@@ -69,6 +126,7 @@ class OpenEnvClientEnv(TextEnv):
         action_field: str = "text",
         num_tasks: int | None = None,
         message_timeout_s: float = 300.0,
+        token: str | None = None,
         render_mode: str | None = None,
     ):
         super().__init__(split=split, render_mode=render_mode)
@@ -81,7 +139,8 @@ class OpenEnvClientEnv(TextEnv):
         self.base_url = base_url.rstrip("/")
         self.action_field = action_field
         self.message_timeout_s = message_timeout_s
-        self.server_info = server_info(self.base_url)
+        self._token = resolve_token(token)
+        self.server_info = server_info(self.base_url, self._token)
         if self.server_info is None and num_tasks is None:
             raise InvalidOptionError(
                 f"{self.base_url} is not an agentenv server (no {INFO_ROUTE}): pass num_tasks "
@@ -105,7 +164,7 @@ class OpenEnvClientEnv(TextEnv):
 
     def _session(self) -> Any:
         if self._client is None:
-            self._client = _connect(self.base_url, self.message_timeout_s)
+            self._client = _connect(self.base_url, self.message_timeout_s, self._token)
         return self._client
 
     def reset(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,6 +27,12 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 INFO_ROUTE = "/agentenv/info"
 """GET: the served env's id, tools, stop strings and task counts (what a client needs)."""
+
+TOKEN_ENV_VAR = "AGENTENV_SERVE_TOKEN"
+"""The environment variable that holds the server's bearer token (server and clients)."""
+
+OPEN_ROUTES = ("/health",)
+"""What a server with a token answers without one (a load balancer's probe)."""
 
 
 class AgentEnvAction(Action):
@@ -254,7 +261,8 @@ def server_class(
 
 
 def env_info(env_id: str, **env_kwargs: Any) -> dict[str, Any]:
-    """What :data:`INFO_ROUTE` answers: id, tools, stop strings and tasks per split."""
+    """What :data:`INFO_ROUTE` answers: id, tools, stop strings and tasks per split, and
+    ``sandbox`` (``"bwrap"`` or ``"rlimit"``) for an env that runs code."""
     info: dict[str, Any] = {"env_id": env_id, "num_tasks": {}, "tools": [], "stop_strings": []}
     for split in SPLITS:
         env = make(env_id, **{**env_kwargs, "split": split})
@@ -264,9 +272,45 @@ def env_info(env_id: str, **env_kwargs: Any) -> dict[str, Any]:
             info["stop_strings"] = list(getattr(inner, "stop_strings", ()) or ())
             if isinstance(inner, ToolEnv):
                 info["tools"] = [t.schema["function"] for t in inner.tools]
+            if getattr(inner, "sandbox_mode", None) is not None:  # it runs the model's code
+                info["sandbox"] = str(inner.sandbox_mode)
         finally:
             env.close()
     return info
+
+
+class RequireToken:
+    """ASGI middleware: HTTP requests and WebSocket handshakes must carry
+    ``Authorization: Bearer <token>``; others get HTTP 401 (a WebSocket's handshake, 403).
+
+    :data:`OPEN_ROUTES` stay open. The comparison takes the same time whatever matches.
+    """
+
+    def __init__(self, app: Any, token: str):
+        if not token:
+            raise InvalidOptionError("the server's token is empty; pass a secret")
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_ROUTES:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":  # closing before accept refuses the handshake
+            await send({"type": "websocket.close", "code": 1008})
+            return None
+        body = json.dumps(
+            {
+                "detail": "this agentenv server needs its token: send 'Authorization: Bearer "
+                f"TOKEN' (agentenv's clients send ${TOKEN_ENV_VAR} or token=...)"
+            }
+        ).encode()
+        headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return None
 
 
 def app(
@@ -274,6 +318,8 @@ def app(
     *,
     max_sessions: int = 64,
     step_timeout_s: float | None = 60.0,
+    token: str | None = None,
+    require_bwrap: bool = False,
     **env_kwargs: Any,
 ) -> Any:
     """OpenEnv's FastAPI app serving ``env_id``: ``/ws`` sessions (one env each, at most
@@ -285,6 +331,15 @@ def app(
             (``split`` is the default split of ``reset``).
         max_sessions: Most concurrent sessions (envs); more are refused by OpenEnv.
         step_timeout_s: Longest a step may run before its episode ends as ``timeout``.
+        token: When set, every route but ``/health`` needs ``Authorization: Bearer token``
+            (:class:`RequireToken`). ``agentenv serve`` requires one off loopback.
+        require_bwrap: Refuse an env that runs code (one with a ``sandbox_mode``, like
+            Workspace-v0) unless its sandbox is ``bwrap``; ``agentenv serve`` sets it off
+            loopback.
+
+    Raises:
+        InvalidOptionError: a bad argument, or ``require_bwrap`` and a code-running env
+            whose sandbox is not bwrap; before any server starts.
     """
     if max_sessions < 1:
         raise InvalidOptionError(f"max_sessions must be >= 1, got {max_sessions}")
@@ -293,6 +348,14 @@ def app(
         raise InvalidOptionError(f"split must be one of {SPLITS}, got {split!r}")
     # makes the env of each split: a bad id or argument fails here, before serving
     info = env_info(env_id, **{k: v for k, v in env_kwargs.items() if k != "split"})
+    if require_bwrap and info.get("sandbox") not in (None, "bwrap"):
+        raise InvalidOptionError(
+            f"{env_id} runs the model's code in its {info['sandbox']!r} sandbox, which leaves "
+            "the network open and world-readable files visible: serve it to other machines "
+            "only with bubblewrap (`apt install bubblewrap`; sandbox='bwrap'), or on "
+            "127.0.0.1, or pass --allow-unsandboxed-code (app(require_bwrap=False)) if "
+            "everyone who reaches the port may run code on this machine"
+        )
     cls = server_class(env_id, step_timeout_s=step_timeout_s, **env_kwargs)
     application = create_app(
         cls,
@@ -302,4 +365,6 @@ def app(
         max_concurrent_envs=max_sessions,
     )
     application.add_api_route(INFO_ROUTE, lambda: info, methods=["GET"], tags=["agentenv"])
+    if token is not None:
+        application.add_middleware(RequireToken, token=token)
     return application

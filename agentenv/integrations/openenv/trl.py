@@ -8,7 +8,7 @@ import weakref
 from typing import Any
 
 from agentenv.errors import InvalidOptionError
-from agentenv.integrations.openenv.client import _connect, server_info
+from agentenv.integrations.openenv.client import _connect, resolve_token, server_info
 from agentenv.integrations.openenv.server import INFO_ROUTE
 from agentenv.integrations.trl import AgentEnvironment, class_stem, tool_method
 
@@ -32,9 +32,10 @@ class RemoteEnvironment(AgentEnvironment):
     """
 
     _base_url: str = ""
+    _token: str | None = None
 
     def _open(self) -> None:
-        self._client = _connect(self._base_url)
+        self._client = _connect(self._base_url, token=self._token)
         self._server_errors = 0  # the served episode's num_tool_errors so far
         weakref.finalize(self, self._client.close)  # TRL never closes its environments
 
@@ -85,18 +86,21 @@ def _schema_params(parameters: dict[str, Any]) -> list[inspect.Parameter]:
     return params
 
 
-def environment_factory(base_url: str) -> type[RemoteEnvironment]:
+def environment_factory(base_url: str, token: str | None = None) -> type[RemoteEnvironment]:
     """TRL's ``environment_factory`` for the env an agentenv server serves at ``base_url``.
 
     Its methods are the served env's tools, typed from their JSON schemas. Pass
     :func:`agentenv.integrations.trl.reward_func` as the reward and
     :func:`agentenv.integrations.trl.dataset` (same env id and kwargs as the server) as
-    the data.
+    the data. ``token`` is the server's (``agentenv serve --token``; default
+    ``$AGENTENV_SERVE_TOKEN``).
 
     Raises:
-        AgentEnvError: when no agentenv server answers at ``base_url``.
+        AgentEnvError: when no agentenv server answers at ``base_url``, or it refuses the
+            token.
     """
-    info = server_info(base_url)
+    token = resolve_token(token)
+    info = server_info(base_url, token)
     if info is None:
         raise InvalidOptionError(
             f"{base_url} is not an agentenv server (no {INFO_ROUTE}); TRL needs its tool "
@@ -118,6 +122,7 @@ def environment_factory(base_url: str) -> type[RemoteEnvironment]:
     env_id = info["env_id"]
     namespace.update(
         _base_url=base_url,
+        _token=token,
         __doc__=f"The agentenv env {env_id} served at {base_url}, as a TRL environment.",
         __module__=__name__,
     )

@@ -56,6 +56,17 @@ def calculator(tmp_path_factory):
         yield url
 
 
+TOKEN = "s3cret-for-the-tests"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """Calculator-v0 served with ``--token``, as it would be on 0.0.0.0 (here on loopback)."""
+    log = tmp_path_factory.mktemp("serve") / "guarded.log"
+    with servers.serve("Calculator-v0", log, env_kwargs=ENV, flags=("--token", TOKEN)) as url:
+        yield url
+
+
 def session(url):
     return GenericEnvClient(base_url=url).sync()
 
@@ -329,3 +340,69 @@ def test_trl_grpo_trainer_runs_a_step_on_a_served_env(calculator, tokenizer, tmp
     assert [e._tool_calls for e in trainer.environments] == [1, 1]  # TRL called the server
     assert log["tools/call_frequency"] > 0 and log["tools/failure_frequency"] == 0
     assert log["rewards/reward_func/mean"] == 1.0  # the served env's reward reached TRL
+
+
+def _http_status(url, token=None, method="GET"):
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers["Content-Type"] = "application/json"
+    data = b"{}" if method == "POST" else None
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_server_with_a_token_refuses_requests_without_it(guarded):
+    info = guarded + openenv_integration.INFO_ROUTE
+    assert _http_status(guarded + "/health") == 200  # a load balancer's probe stays open
+    assert _http_status(info) == 401
+    assert _http_status(info, token="wrong") == 401
+    assert _http_status(info, token=TOKEN) == 200
+    assert _http_status(guarded + "/reset", method="POST") == 401
+    assert _http_status(guarded + "/reset", token=TOKEN, method="POST") == 200
+    with pytest.raises(ConnectionError, match="403"):  # the WebSocket handshake, refused
+        session(guarded).connect()
+    with pytest.raises(ConnectionError, match="403"):
+        openenv_integration.TokenClient("wrong", base_url=guarded).sync().connect()
+    with pytest.raises(AgentEnvError, match="HTTP 401.*AGENTENV_SERVE_TOKEN"):
+        agentenv.make("OpenEnv-v0", base_url=guarded)
+
+
+def test_the_right_token_plays_an_episode_from_the_flag_or_the_variable(guarded, monkeypatch):
+    local = agentenv.make("Calculator-v0", **ENV).unwrapped
+    local_obs, _ = local.reset(options={"task_id": 2})
+    env = agentenv.make("OpenEnv-v0", base_url=guarded, token=TOKEN)
+    try:
+        assert env.reset(options={"task_id": 2})[0] == local_obs
+        _, reward, terminated, _, info = env.step(f"<answer>{local.task.answer}</answer>")
+        assert (reward, terminated, info["correct"]) == (1.0, True, True)
+    finally:
+        env.close()
+    monkeypatch.setenv("AGENTENV_SERVE_TOKEN", TOKEN)
+    remote = openenv_integration.environment_factory(guarded)()  # TRL's factory, no argument
+    remote.reset(task_id=2)
+    assert remote.calculator(expression="6*7") == "42"
+
+
+def test_serve_off_loopback_needs_a_token_and_a_bwrap_sandbox_for_code(monkeypatch, capsys):
+    from agentenv.cli import main
+
+    monkeypatch.delenv("AGENTENV_SERVE_TOKEN", raising=False)
+    assert main(["serve", "Calculator-v0", "--host", "0.0.0.0"]) == 2
+    assert "--host 0.0.0.0 lets other machines reach the env: pass --token" in (
+        capsys.readouterr().err
+    )
+    workspace = ["serve", "Workspace-v0", "--env-kwargs", json.dumps(WORKSPACE)]
+    assert main([*workspace, "--host", "0.0.0.0", "--token", "t"]) == 2
+    err = capsys.readouterr().err
+    assert "'rlimit' sandbox" in err and "--allow-unsandboxed-code" in err
+    with pytest.raises(InvalidOptionError, match="rlimit.*bubblewrap"):
+        openenv_integration.app("Workspace-v0", require_bwrap=True, **WORKSPACE)
+    assert openenv_integration.app("Workspace-v0", require_bwrap=False, **WORKSPACE) is not None
+    assert openenv_integration.env_info("Workspace-v0", **WORKSPACE)["sandbox"] == "rlimit"
+    assert "sandbox" not in openenv_integration.env_info("Calculator-v0", **ENV)
