@@ -36,7 +36,7 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -53,8 +53,26 @@ from torch.distributed.checkpoint.state_dict import (
 from agentenv.errors import CheckpointError, InvalidOptionError
 from agentenv.lm.weights import is_sharded
 
-if TYPE_CHECKING:
-    from algorithms.trainer import Trainer
+
+class Checkpointable(Protocol):
+    """What a checkpoint saves and restores (a :class:`~algorithms.trainer.Trainer` is one):
+    the model, its optimizer and LR schedule, the step, the config (its ``use_lora`` and
+    LoRA fields must match on load) and any extra state (GRPO's critic)."""
+
+    accelerator: Any  # accelerate's Accelerator: the main process writes
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # an LR scheduler (state_dict / load_state_dict)
+    tokenizer: Any  # saved beside the weights, so they load on their own
+    config: Any  # a dataclass with use_lora and the _MUST_MATCH fields
+    step: int
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module: ...
+
+    def extra_state(self) -> dict[str, Any]: ...
+
+    def load_extra_state(self, state: dict[str, Any]) -> None: ...
+
 
 MARKER = "checkpoint_complete.json"
 _MUST_MATCH = ("use_lora", "lora_r", "lora_alpha", "lora_target_modules", "lora_layers")
@@ -141,7 +159,7 @@ def _full_state_dict(model: torch.nn.Module, adapters_only: bool) -> dict[str, t
     return state
 
 
-def save_checkpoint(trainer: Trainer, path: str | Path) -> Path:
+def save_checkpoint(trainer: Checkpointable, path: str | Path) -> Path:
     """Write ``trainer``'s full state to the folder ``path`` atomically; return ``path``.
 
     Only the main process writes; every process waits until the folder is in place (and,
@@ -253,7 +271,7 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
         )
 
 
-def load_checkpoint(trainer: Trainer, path: str | Path) -> None:
+def load_checkpoint(trainer: Checkpointable, path: str | Path) -> None:
     """Restore weights, optimizer, scheduler, RNG states and step into ``trainer``.
 
     The trainer must be built like the saved one (same base model, LoRA settings).

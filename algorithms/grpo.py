@@ -204,9 +204,11 @@ class GRPO(Trainer):
             )
 
     def extra_state(self) -> dict[str, Any]:
-        return {"critic": self.critic.state_dict()} if self.critic is not None else {}
+        critic = {"critic": self.critic.state_dict()} if self.critic is not None else {}
+        return {**super().extra_state(), **critic}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
+        super().load_extra_state(state)
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
 
@@ -622,14 +624,13 @@ class GRPO(Trainer):
                         entropy=entropy if bonus else None,
                         **totals,
                     )
-                    acc.backward(loss * acc.num_processes)  # DDP averages; we want the sum
+                    self._backward(loss)
                 n = maskf.sum().item()
                 local["loss"] += m["loss"]
                 local["processed"] += mb.attention_mask.sum().item()
                 for key in _CLIP_KEYS:
                     local[key] += m[key] * n
-            grad_norm += float(acc.clip_grad_norm_(self._params, cfg.max_grad_norm))
-            self.optimizer.step()
+            grad_norm += self._clip_and_step(cfg.max_grad_norm)
         self.model.train(was_training)
         result = dict(zip(keys, self._global(list(local.values()), "sum"), strict=True))
         result["grad_norm"] = grad_norm

@@ -96,11 +96,10 @@ class SFT(Trainer):
                         self.model, mb.input_ids, mb.attention_mask, action_mask=mb.action_mask
                     )  # (N, T)
                 loss = masked_nll(logp, mb.action_mask, num_tokens)
-                acc.backward(loss * acc.num_processes)  # DDP averages; we want the sum
+                self._backward(loss)
             local_loss += loss.item()
-        grad_norm = acc.clip_grad_norm_(self._params, self.config.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        grad_norm = self._clip_and_step(self.config.max_grad_norm)
         self.scheduler.step()
         self.step += 1
         total_loss, processed = self._global(

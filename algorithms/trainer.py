@@ -27,6 +27,7 @@ from transformers import get_scheduler
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import use_cpu_bf16_attention
 from agentenv.lm.precision import compute_dtype
+from algorithms.checkpoint import load_checkpoint, save_checkpoint
 from algorithms.config import TrainerConfig, check_schedule, micro_batch_tokens_for
 from algorithms.lora import apply_lora
 
@@ -67,6 +68,7 @@ class Trainer:
         step: Number of completed optimizer steps (restored by :meth:`load`).
         dtype: Compute dtype of every forward (``dtype=`` or the model's weights' dtype;
             see :mod:`agentenv.lm.precision`).
+        scaler: torch's ``GradScaler``, enabled in float16 only (dynamic loss scaling).
         micro_batch_tokens: The config's, or where None the default for the device
             (:func:`~algorithms.config.micro_batch_tokens_for`, from the subclass's
             ``micro_batch_defaults``).
@@ -132,6 +134,10 @@ class Trainer:
         )
         # the scheduler is not prepared: accelerate would step it once per process
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # float16 gradients underflow to zero without loss scaling; a no-op in other dtypes
+        self.scaler = torch.amp.GradScaler(
+            self.accelerator.device.type, enabled=self.dtype == torch.float16
+        )
         # the prepared model's own: FSDP2 replaces the parameters with sharded ones (and
         # points the optimizer at them), so the list above would clip stale tensors
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -141,17 +147,37 @@ class Trainer:
 
     def extra_state(self) -> dict[str, Any]:
         """Hook: more state a checkpoint keeps, ``{name: torch-saveable value}`` (one
-        ``<name>.pt`` file each; GRPO's critic); :meth:`load_extra_state` restores it."""
-        return {}
+        ``<name>.pt`` file each; the float16 loss scale here, GRPO's critic in GRPO);
+        :meth:`load_extra_state` restores it. Overrides extend ``super()``'s."""
+        return {"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Hook: restore what :meth:`extra_state` saved (the same names)."""
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
 
     def _global(self, values: list[float], reduction: str) -> list[float]:
         """``values`` reduced (``"sum"`` / ``"max"``) over every process, as float64."""
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
         tensor = tensor.to(self.accelerator.device)
         return self.accelerator.reduce(tensor, reduction=reduction).tolist()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Accumulate ``loss``'s gradients: scaled (float16), and summed over processes
+        (DDP averages them)."""
+        self.accelerator.backward(self.scaler.scale(loss * self.accelerator.num_processes))
+
+    def _clip_and_step(self, max_grad_norm: float) -> float:
+        """Unscale, clip to ``max_grad_norm``, step; return the gradient norm before clipping.
+
+        In float16 a step whose gradients overflowed (norm inf or nan) is skipped and the
+        loss scale halves (torch's ``GradScaler``); elsewhere this is clip and step.
+        """
+        self.scaler.unscale_(self.optimizer)
+        norm = float(self.accelerator.clip_grad_norm_(self._params, max_grad_norm))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return norm
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -160,12 +186,8 @@ class Trainer:
 
     def save(self, path: str | Path) -> Path:
         """Write a complete checkpoint atomically (see :mod:`algorithms.checkpoint`)."""
-        from algorithms.checkpoint import save_checkpoint
-
         return save_checkpoint(self, path)
 
     def load(self, path: str | Path) -> None:
         """Restore weights, optimizer, scheduler, RNG and step from a checkpoint."""
-        from algorithms.checkpoint import load_checkpoint
-
         load_checkpoint(self, path)

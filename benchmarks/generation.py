@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from algorithms import GRPOConfig, apply_lora
 
     args = parse_args(argv)
-    model, tokenizer = models.load(args.model)
+    model, tokenizer = models.load(args.model, dtype="float32")
     batch, stops = prompts(args, tokenizer)
     auto = resolve_dtype("auto", "cpu")
     sampling = SamplingConfig(args.max_new_tokens, temperature=1.0, stop_strings=[])

@@ -202,7 +202,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    model, tokenizer = models.load(args.model, device=args.device)
+    model, tokenizer = models.load(args.model, dtype="float32", device=args.device)
     tokenizer, template = _tool_tokenizer(tokenizer)
     env = make_env(args)
     ids = all_task_ids(args)

@@ -51,7 +51,8 @@ def smollm2():
     """
     from agentenv.lm.models import load
 
-    return load("smollm2-135m-instruct", device="cpu")  # CPU even where a GPU is visible
+    # float32 on the CPU even where a GPU is visible or the CPU has bf16
+    return load("smollm2-135m-instruct", dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -310,7 +310,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase
 def load(
     name_or_path: str = DEFAULT_MODEL,
     *,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer; aliases and local folders work offline.

@@ -62,8 +62,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
 
     ``"auto"``: bfloat16 on a CUDA device that supports it and on a CPU with native
     bfloat16 (:func:`cpu_supports_bf16`), else float32. Never float16: a GPU without
-    bfloat16 (a T4, a V100) gets float32, since float16 training needs loss scaling to keep
-    small gradients from underflowing; ask for ``"float16"`` by name to sample in it.
+    bfloat16 (a T4, a V100) gets float32: float16's range is narrow, so its training needs
+    loss scaling (the trainers' ``GradScaler``) and can still skip steps that overflow; ask
+    for ``"float16"`` by name to sample and train in it.
 
     Raises:
         InvalidOptionError: ``dtype`` is not one of :data:`DTYPES` or a float ``torch.dtype``.

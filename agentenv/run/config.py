@@ -41,7 +41,7 @@ class CommandConfig:
         "auto",
         "Compute dtype of sampling and training: auto (bfloat16 on GPUs and CPUs with "
         "native bf16, else float32; never float16), float32, bfloat16, float16 (GPU only; "
-        "trains without loss scaling). Trained weights stay float32; a LoRA run keeps its "
+        "trains with dynamic loss scaling). Trained weights stay float32; a LoRA run keeps its "
         "frozen base in this dtype.",
     )
 

@@ -5,7 +5,7 @@ See :class:`~envs.workspace.env.WorkspaceEnv` for the environment,
 :mod:`envs.workspace.tasks` for the task families and their checkers.
 """
 
-from envs.workspace.backend import BWRAP_INSTALL, Backend, allocate_uid, detect_backend
+from envs.workspace.backend import BWRAP_INSTALL, Backend, allocate_uid
 from envs.workspace.env import WorkspaceEnv, describe_run
 from envs.workspace.errors import (
     PathError,
@@ -14,7 +14,7 @@ from envs.workspace.errors import (
     WorkspaceLimitError,
 )
 from envs.workspace.paths import FileLimits, resolve_path
-from envs.workspace.sandbox import RunResult, Sandbox, SandboxLimits
+from envs.workspace.sandbox import RunResult, Sandbox, SandboxLimits, detect_backend
 from envs.workspace.tasks import (
     LEVELS,
     CheckResult,

@@ -9,10 +9,9 @@ from agentenv.env.parsers import ActionParser
 from agentenv.env.spaces import Message
 from agentenv.env.tools import Tool, tool
 from agentenv.errors import InvalidOptionError
-from envs.workspace.backend import detect_backend
 from envs.workspace.errors import SandboxError
 from envs.workspace.paths import FileLimits
-from envs.workspace.sandbox import RunResult, SandboxLimits
+from envs.workspace.sandbox import RunResult, SandboxLimits, detect_backend
 from envs.workspace.tasks import as_actions, check_task, load_tasks, solve_task
 from envs.workspace.workspace import Workspace
 

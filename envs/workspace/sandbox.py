@@ -22,18 +22,32 @@ protect against.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import select
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from agentenv.errors import InvalidOptionError
 from envs.workspace import _procs
-from envs.workspace.backend import SANDBOX_BIN, SANDBOX_HOME, Backend, bwrap_args, detect_backend
+from envs.workspace.backend import (
+    BWRAP_INSTALL,
+    MODES,
+    SANDBOX_BIN,
+    SANDBOX_HOME,
+    Backend,
+    allocate_uid,
+    bwrap_args,
+)
+from envs.workspace.errors import SandboxUnavailableError
 from envs.workspace.paths import usage
 
 _SIGNAL_HINTS = {
@@ -187,7 +201,7 @@ class Sandbox:
         workdir: The workspace directory (cwd of the code); must exist and, when the
             backend drops privileges, belong to ``uid``.
         limits: Limits of every run.
-        backend: From :func:`~envs.workspace.backend.detect_backend` (default ``"auto"``).
+        backend: From :func:`detect_backend` (default ``"auto"``).
         uid: Private unprivileged uid (and gid) for the code; required when the backend
             drops privileges (see :func:`~envs.workspace.backend.allocate_uid`).
         quota: ``(max_entries, max_bytes)`` of the workspace, checked every
@@ -415,3 +429,90 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+# ---- which backend this machine can run ---------------------------------------------
+@functools.lru_cache(maxsize=4)
+def detect_backend(mode: str = "auto") -> Backend:
+    """Choose how to sandbox on this machine; probes once per process and mode.
+
+    Args:
+        mode: ``"auto"`` (bwrap when it works, else rlimit with a ``RuntimeWarning``),
+            ``"bwrap"`` (fail if unusable) or ``"rlimit"``.
+
+    Raises:
+        InvalidOptionError: unknown mode.
+        SandboxUnavailableError: ``"bwrap"`` was asked for but cannot run here, or (as
+            root) no Python interpreter is usable by an unprivileged uid.
+    """
+    if mode not in MODES:
+        raise InvalidOptionError(f"sandbox must be one of {MODES}, got {mode!r}")
+    root = os.geteuid() == 0
+    python = os.path.realpath(sys.executable)
+    note = ""
+    if mode in ("auto", "bwrap"):
+        exe = shutil.which("bwrap")
+        if exe is None:
+            note = f"bwrap (bubblewrap) is not installed; install it with `{BWRAP_INSTALL}`"
+        else:
+            backend = Backend("bwrap", python, root, exe)
+            problem = _probe(backend)
+            if not problem:
+                return backend
+            note = f"bwrap is installed but cannot create a sandbox here ({problem})"
+        if mode == "bwrap":
+            raise SandboxUnavailableError(f"{note}; or pass sandbox='rlimit'")
+        warnings.warn(
+            f"Workspace sandbox: {note}. Falling back to the rlimit sandbox, which does NOT "
+            "block network access or hide the rest of the filesystem.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if not root:
+        return Backend("rlimit", python, False, note=note)
+    failures = []
+    for candidate in _python_candidates(python):
+        backend = Backend("rlimit", candidate, True, note=note)
+        problem = _probe(backend)
+        if not problem:
+            return backend
+        failures.append(f"{candidate}: {problem}")
+    raise SandboxUnavailableError(
+        "running as root, the rlimit sandbox runs code as an unprivileged uid, but no Python "
+        f"interpreter is usable by one ({'; '.join(failures)}); install a system-wide python3 "
+        f"(apt-get install -y python3) or bubblewrap (`{BWRAP_INSTALL}`)"
+    )
+
+
+def _python_candidates(python: str) -> list[str]:
+    """The host interpreter first, then system ones (a root-only pyenv fails the probe)."""
+    found = [python]
+    for name in ("python3", "python"):
+        exe = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin")
+        if exe and os.path.realpath(exe) not in found:
+            found.append(os.path.realpath(exe))
+    return found
+
+
+def _probe(backend: Backend) -> str:
+    """Run a tiny program in a throwaway sandbox: ``""`` if it worked, else the problem."""
+    root = tempfile.mkdtemp(prefix="agentenv-ws-probe-")
+    box = None
+    try:
+        uid = allocate_uid() if backend.drop_privileges else None
+        if uid is not None:
+            os.chown(root, uid, uid)
+        box = Sandbox(root, limits=SandboxLimits(timeout_s=30), backend=backend, uid=uid)
+        code = "import csv, json, unittest\nopen('probe.txt', 'w').write('ok')\nprint('ok')"
+        result = box.run_python(code)
+        written = os.path.isfile(os.path.join(root, "probe.txt"))
+        if result.ok and result.output.strip() == "ok" and written:
+            return ""
+        lines = result.output.strip().splitlines() or [result.detail or "no output"]
+        return lines[-1][:300]
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if box is not None:
+            box.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -23,10 +23,10 @@ from collections.abc import Mapping
 
 from agentenv.errors import ToolArgumentError, ToolError
 from envs.workspace import paths
-from envs.workspace.backend import Backend, allocate_uid, detect_backend
+from envs.workspace.backend import Backend, allocate_uid
 from envs.workspace.errors import SandboxError, WorkspaceLimitError
 from envs.workspace.paths import FileLimits
-from envs.workspace.sandbox import ProcessTracker, RunResult, Sandbox, SandboxLimits
+from envs.workspace.sandbox import ProcessTracker, RunResult, Sandbox, SandboxLimits, detect_backend
 
 PREFIX = "agentenv-ws-"
 _SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")

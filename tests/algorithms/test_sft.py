@@ -1,5 +1,6 @@
 import pytest
 import torch
+from toy_episodes import answer_episodes as episodes
 
 from agentenv.errors import InvalidOptionError
 from agentenv.rollout.episode import Episode
@@ -12,19 +13,6 @@ def test_masked_nll_by_hand():
     logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -4.0, -8.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]])
     assert masked_nll(logp, mask, num_tokens=3.0).item() == pytest.approx((1 + 2 + 8) / 3)
-
-
-def episodes(tokenizer, n=4):
-    out = []
-    for i in range(n):
-        prompt = tokenizer.encode(
-            f"<|im_start|>user\nadd {i} and 1<|im_end|>\n<|im_start|>assistant\n",
-            add_special_tokens=False,
-        )
-        answer = tokenizer.encode(f"<answer>{i + 1}</answer>", add_special_tokens=False) + [2]
-        ids = prompt + answer
-        out.append(Episode(ids, [0] * len(prompt) + [1] * len(answer), [0.0] * len(ids), 1.0))
-    return out
 
 
 def test_only_policy_tokens_get_gradient(tiny_model, tokenizer):

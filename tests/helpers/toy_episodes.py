@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentenv.lm.engine import SamplingConfig
+from agentenv.rollout.episode import Episode
 
 SAMPLING = SamplingConfig()  # temperature 1.0: what the toy episodes were "sampled" with
 
@@ -40,3 +41,17 @@ def make_groups(rewards: list[list[float]], seed: int = 0) -> list[list[Ep]]:
 
 # the batch the multi-process tests split between processes: two zero-variance groups
 TOY_REWARDS = [[0, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def answer_episodes(tokenizer, n: int = 4) -> list[Episode]:
+    """``n`` SFT demonstrations in SmolLM2's chat format: "add i and 1" -> ``<answer>i+1``."""
+    out = []
+    for i in range(n):
+        prompt = tokenizer.encode(
+            f"<|im_start|>user\nadd {i} and 1<|im_end|>\n<|im_start|>assistant\n",
+            add_special_tokens=False,
+        )
+        answer = tokenizer.encode(f"<answer>{i + 1}</answer>", add_special_tokens=False) + [2]
+        ids = prompt + answer
+        out.append(Episode(ids, [0] * len(prompt) + [1] * len(answer), [0.0] * len(ids), 1.0))
+    return out

@@ -211,6 +211,10 @@ def test_local_folder_is_passed_through(tokenizer, tiny_model, tmp_path):
     model, tok = load(str(tmp_path), dtype="bfloat16")
     assert model.dtype == torch.bfloat16 and not model.training
     assert tok.padding_side == "left" and len(tok) == len(tokenizer)
+    from agentenv.lm.precision import resolve_dtype
+
+    default, _ = load(str(tmp_path), device="cpu")  # "auto", as everywhere else
+    assert default.dtype == resolve_dtype("auto", "cpu")
 
 
 def test_onednn_cache_is_limited_unless_the_user_set_it(monkeypatch):

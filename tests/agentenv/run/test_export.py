@@ -20,7 +20,7 @@ from algorithms.sft import SFT
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model_dir, tmp_path_factory):
     """A LoRA checkpoint of the tiny model whose adapter changes its outputs."""
-    model, tokenizer = models.load(tiny_model_dir)
+    model, tokenizer = models.load(tiny_model_dir, dtype="float32")
     trainer = SFT(model, tokenizer, SFTConfig(), seed=0)
     with torch.no_grad():
         for name, p in trainer.unwrapped_model.named_parameters():
@@ -52,7 +52,7 @@ def test_adapter_folder_loads_with_auto_peft_and_its_tokenizer(checkpoint, tiny_
         tokenizer.chat_template
         and tokenizer.chat_template == models.load_tokenizer(tiny_model_dir).chat_template
     )
-    base, _ = models.load(tiny_model_dir)
+    base, _ = models.load(tiny_model_dir, dtype="float32")
     assert greedy(model, tokenizer) != greedy(base, tokenizer)  # the adapter is applied
 
 

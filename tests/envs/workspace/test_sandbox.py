@@ -262,7 +262,7 @@ def test_detect_backend_modes():
 
 
 def test_auto_falls_back_to_rlimit_with_a_warning(monkeypatch):
-    from envs.workspace import backend as backend_module
+    from envs.workspace import sandbox as backend_module
 
     real_which = backend_module.shutil.which
 
