@@ -27,18 +27,31 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+BF16_CPU_FEATURES = ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16")
+"""CPU features that compute bfloat16 natively: x86's AVX512-BF16 and AMX-BF16, ARM's
+BF16 (NEON) and SVE-BF16, as :func:`torch.cpu.get_capabilities` names them."""
+
+
 @functools.cache
 def cpu_supports_bf16() -> bool:
-    """True if this CPU has native bfloat16 arithmetic (avx512_bf16 or AMX-BF16).
+    """True if this CPU computes bfloat16 natively (one of :data:`BF16_CPU_FEATURES`).
 
-    Without it PyTorch emulates bfloat16 on the CPU, slower than float32.
+    Without it PyTorch emulates bfloat16 on the CPU, slower than float32. Read from torch
+    (:func:`torch.cpu.get_capabilities`, any architecture) where this torch has it, else
+    from Linux's ``/proc/cpuinfo`` (x86 flag names; elsewhere: float32).
     """
+    import torch
+
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if get_capabilities is not None:
+        capabilities = get_capabilities()
+        return any(bool(capabilities.get(name)) for name in BF16_CPU_FEATURES)
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:  # not Linux: Apple silicon and others; stay with float32
         return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+    return any(flag in flags.split() for flag in BF16_CPU_FEATURES)
 
 
 def check_dtype(dtype: str, device: str | None = None) -> None:
