@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-MAX_README_LINES = 350
+MAX_README_LINES = 300
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$")
@@ -118,8 +118,8 @@ def test_every_relative_link_resolves(page: Path):
 
 def test_readme_is_short():
     lines = len(README.read_text(encoding="utf-8").splitlines())
-    assert lines < MAX_README_LINES, (
-        f"README.md has {lines} lines, expected fewer than {MAX_README_LINES}: "
+    assert lines <= MAX_README_LINES, (
+        f"README.md has {lines} lines, expected at most {MAX_README_LINES}: "
         "move details to a page under docs/ and link it"
     )
 
