@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["stable_fraction", "stable_hash"]
+__all__ = ["hashed_split", "stable_fraction", "stable_hash"]
 
 
 def stable_hash(key: str) -> int:
@@ -21,3 +21,10 @@ def stable_fraction(key: str) -> float:
     """``key``'s :func:`stable_hash` mapped into ``[0, 1)``: ``stable_fraction(k) < p`` picks
     about a share ``p`` of keys, the same keys every time."""
     return stable_hash(key) / 2**64
+
+
+def hashed_split(key: str, test_fraction: float) -> str:
+    """``"test"`` for about a share ``test_fraction`` of keys (in steps of 1/10,000), else
+    ``"train"``: the Calculator's and Workspace's rule (RAG's questions use
+    :func:`stable_fraction`, which picks other keys)."""
+    return "test" if stable_hash(key) % 10_000 < test_fraction * 10_000 else "train"

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.env.core import Task
-from agentenv.env.splits import stable_hash
+from agentenv.env.splits import hashed_split
 from agentenv.errors import InvalidOptionError, TaskSourceError
 
 GENERATED_SOURCES = ("gsm_symbolic", "basic_arithmetic", "word_problems", "prices")
@@ -43,7 +43,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 def split_of(question: str, test_fraction: float = TEST_FRACTION) -> str:
     """``"test"`` or ``"train"``, decided by a stable hash of the normalised question."""
     norm = " ".join(question.lower().split())
-    return "test" if (stable_hash(norm) % 10_000) < test_fraction * 10_000 else "train"
+    return hashed_split(norm, test_fraction)
 
 
 def parse_gsm8k_answer(answer: str) -> str:

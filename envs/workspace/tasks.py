@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 
 from agentenv.env.core import Task
-from agentenv.env.splits import stable_hash
+from agentenv.env.splits import hashed_split
 from agentenv.errors import InvalidOptionError, TaskSourceError
 from envs.workspace.families import FAMILIES
 from envs.workspace.families.base import TaskSpec, ToolCallSpec
@@ -67,7 +67,7 @@ def family_names() -> tuple[str, ...]:
 
 def split_of(key: str, test_fraction: float = TEST_FRACTION) -> str:
     """``"test"`` or ``"train"``, from a stable hash of ``key``."""
-    return "test" if stable_hash(key) % 10_000 < test_fraction * 10_000 else "train"
+    return hashed_split(key, test_fraction)
 
 
 def _signature(spec: TaskSpec) -> str:
