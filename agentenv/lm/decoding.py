@@ -37,19 +37,18 @@ looked-up token, against what a longer forward costs (:meth:`Decoder._draft_leng
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import AppendCacheLayer, append_cache
 from agentenv.lm.decode_step import decode_logits
 from agentenv.lm.drafting import lookup
+from agentenv.lm.draw import Buffers, has_stop, sample, warpers
 from agentenv.lm.engine import Generation, SamplingConfig
 
 
@@ -89,7 +88,7 @@ class Decoder:
     ):
         self.policy, self.sampling, self.keep_saved = policy, sampling, keep_saved
         self.dead_fraction = dead_fraction
-        self.warpers = _warpers(sampling)
+        self.warpers = warpers(sampling)
         self.stop_ids = set(policy.stop_token_ids)
         self.stop_strings = list(sampling.stop_strings or [])
         # Stop strings ending in whitespace or a non-ASCII character are always checked:
@@ -303,7 +302,7 @@ class Decoder:
         rows = [row for _, row in drawing]
         seeded = any(r.generator is not None for r in rows)
         rngs = [r.generator for r in rows] if seeded else None
-        return _sample(logits, self.sampling.temperature, self.warpers, rngs, self._buffers)
+        return sample(logits, self.sampling.temperature, self.warpers, rngs, self._buffers)
 
     def _end_reason(self, row: _Row, token: int) -> str | None:
         """Why ``row``'s turn ends with ``token`` (just appended), or None."""
@@ -312,7 +311,7 @@ class Decoder:
         if (
             self.stop_strings
             and self.policy.may_end(token, self.finals)
-            and _has_stop(self.policy.tokenizer, row.tokens, self.stop_strings)
+            and has_stop(self.policy.tokenizer, row.tokens, self.stop_strings)
         ):
             return "stop_string"
         if len(row.tokens) >= row.max_new_tokens:
@@ -466,87 +465,6 @@ def merge_caches(
             merged.update(keys, values, i)
     masks = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, m, _, _ in trimmed])
     return merged, masks[order]
-
-
-def _warpers(sampling: SamplingConfig) -> list[Any]:
-    warpers = []
-    if sampling.top_k > 0:
-        warpers.append(TopKLogitsWarper(sampling.top_k))
-    if sampling.top_p < 1:
-        warpers.append(TopPLogitsWarper(sampling.top_p))
-    return warpers
-
-
-def _sample(
-    logits: torch.Tensor,
-    temperature: float,
-    warpers: list[Any],
-    generators: Sequence[torch.Generator | None] | None = None,
-    buffers: Buffers | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``logits`` (r, V); return it and its log-prob, on the CPU.
-
-    The log-prob is taken under the distribution sampled from: logits / temperature, then
-    top-k, then top-p, in float32. Greedy decoding (temperature 0) takes the argmax and
-    records its log-prob at temperature 1. With ``generators`` (CPU, one per row; None in
-    the list: the global RNG), row ``j`` draws from ``generators[j]``. ``buffers``: where
-    the vocabulary-sized intermediates go (None: fresh tensors).
-    """
-    buffers = Buffers() if buffers is None else buffers
-    shape, device = logits.shape, logits.device
-    scores = buffers.take("scores", shape, torch.float32, device).copy_(logits)  # (r, V)
-    if temperature not in (0, 1):  # (x / 1 is x: no pass over the vocabulary for it)
-        scores.div_(temperature)
-    for warp in warpers:
-        scores = warp(None, scores)
-    logp = torch.log_softmax(scores, dim=-1, out=buffers.take("logp", shape, scores.dtype, device))
-    if temperature > 0:  # inverse-CDF draw: torch.multinomial spends ~8 ms/step on CPU RNG
-        # (r, V), float64: no drift over the vocabulary; exponentiated and summed in place
-        cdf = buffers.take("cdf", shape, torch.float64, device).copy_(logp).exp_().cumsum_(-1)
-        if generators is None:
-            u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device)
-        else:
-            u = torch.cat([torch.rand(1, 1, dtype=torch.float64, generator=g) for g in generators])
-        u = 1 - u.to(cdf.device)  # (r, 1) in (0, 1]
-        u = u * cdf[:, -1:]  # first index with cdf >= u > 0: never a zero-probability token
-        token = torch.searchsorted(cdf, u).squeeze(1).clamp(max=cdf.shape[1] - 1)  # (r,)
-    else:
-        token = scores.argmax(dim=-1)
-    return token.cpu(), logp.gather(1, token[:, None]).squeeze(1).cpu()
-
-
-class Buffers:
-    """Tensors kept from one decode step to the next, by name, for intermediates of the
-    same shape every step: the draw's float32 scores and log-probs and float64 CDF, each
-    the size of the vocabulary per row. Allocated fresh each step they cost more than
-    their arithmetic (at 64 rows: 50 MB a step, zeroed page by page by the OS)."""
-
-    def __init__(self) -> None:
-        self._kept: dict[tuple, torch.Tensor] = {}
-
-    def take(
-        self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` (contents undefined), the named buffer's front."""
-        inference = torch.is_inference_mode_enabled()  # (one kind cannot stand in for the other)
-        key = (name, dtype, device, inference)
-        size = math.prod(shape)
-        kept = self._kept.get(key)
-        if kept is None or kept.numel() < size:
-            kept = self._kept[key] = torch.empty(size, dtype=dtype, device=device)
-        return kept[:size].view(shape)
-
-
-def _has_stop(tokenizer: Any, ids: list[int], stop_strings: list[str]) -> bool:
-    """True if a stop string ends in the text of the newest token of ``ids``.
-
-    Called as each token arrives, so an earlier match was already caught: only the last
-    ``len(longest stop) + 1`` tokens (each decodes to at least one character) are decoded,
-    not the whole turn at every step.
-    """
-    window = max(len(s) for s in stop_strings) + 1
-    text = tokenizer.decode(ids[-window:], skip_special_tokens=False)
-    return any(s in text for s in stop_strings)
 
 
 def drain(decoder: Decoder) -> Iterator[tuple[Any, Generation]]:

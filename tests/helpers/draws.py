@@ -5,7 +5,7 @@ time, batched against alone, slots shared or not, one kernel against another) co
 step's logits with other matmul shapes and accumulation orders, so their logits differ by
 rounding, by how much depending on the CPU's kernels (AVX2, AVX-512, AMX) or the GPU. A
 row draws a token by searching its generator's uniform number ``u`` in the CDF of its
-distribution (:func:`agentenv.lm.decoding._sample`): where ``u`` lies within rounding of a
+distribution (:func:`agentenv.lm.draw.sample`): where ``u`` lies within rounding of a
 boundary between two tokens, the two paths may draw different tokens, rightly, and from
 there on the row's continuations go apart. A test demanding identical tokens then passes
 on one CPU and fails on another (issue 57: an AVX2-only CPU, temperature 0.068).
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from agentenv.lm.decoding import _warpers
+from agentenv.lm.draw import warpers as _warpers
 from agentenv.lm.engine import Generation, SamplingConfig
 from agentenv.rollout.episode import Episode
 

@@ -474,7 +474,8 @@ def test_bf16_sampler_logprobs_stay_close_to_the_float32_trainer(tiny_model, tok
 
 def test_sampler_draws_from_the_warped_distribution():
     """Frequencies follow softmax(logits / T) after top-k; cut tokens are never drawn."""
-    from agentenv.lm.decoding import _sample, _warpers
+    from agentenv.lm.draw import sample as _sample
+    from agentenv.lm.draw import warpers as _warpers
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0, -9.0]]).repeat(20000, 1)
     sampling = SamplingConfig(temperature=2.0, top_k=3)
@@ -494,11 +495,12 @@ def test_sampler_draws_from_the_warped_distribution():
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sampling_draws_what_the_plain_inverse_cdf_formula_draws(temperature, dtype, kept):
-    """``_sample``'s in-place float64 CDF, skipped division by 1 and buffers kept from a
+    """``sample``'s in-place float64 CDF, skipped division by 1 and buffers kept from a
     previous step (``kept``: a step of 24 rows first, so these 16 use the front of larger
     buffers holding its values) change nothing: the same tokens and log-probs, bit for bit,
     as the formula written out, per-row seeds; the logits it is given are left as they were."""
-    from agentenv.lm.decoding import Buffers, _sample
+    from agentenv.lm.draw import Buffers
+    from agentenv.lm.draw import sample as _sample
 
     buffers = Buffers() if kept else None
     if kept:
