@@ -11,6 +11,29 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+# Whole files of the slow tier (besides single tests marked ``slow``): other processes,
+# servers and other libraries' trainers, each test seconds to a minute on 2 cores (CI's
+# durations). ``pytest -m "not slow"`` is the fast tier for development; CI and the
+# README's command run everything.
+SLOW_FILES = (
+    "tests/agentenv/run/test_multiprocess.py",
+    "tests/algorithms/test_ddp.py",
+    "tests/agentenv/lm/test_vllm_engine.py",
+    "tests/agentenv/lm/test_server_engine.py",
+    "tests/agentenv/integrations/test_verifiers.py",
+    "tests/agentenv/integrations/test_verl.py",
+    "tests/agentenv/integrations/test_trl.py",
+    "tests/agentenv/integrations/test_openenv.py",
+    "tests/envs/workspace/test_parallel.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        if item.path.relative_to(root).as_posix() in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
