@@ -161,6 +161,16 @@ def default_stop_ids(model: Any, tokenizer: Any) -> list[int]:
     return [i for i in {tokenizer.eos_token_id, *eos} if i is not None]
 
 
+def stop_and_pad_ids(
+    model: Any, tokenizer: Any, stop_token_ids: Sequence[int] | None = None
+) -> tuple[list[int], int]:
+    """A local engine's stop ids (``stop_token_ids``, else :func:`default_stop_ids`) and
+    the id it pads with (the tokenizer's pad id, else the first stop id)."""
+    stops = list(default_stop_ids(model, tokenizer) if stop_token_ids is None else stop_token_ids)
+    pad = tokenizer.pad_token_id
+    return stops, pad if pad is not None else stops[0]
+
+
 def check_batch(prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None) -> None:
     """Reject what no engine can generate from: no prompt, an empty one, or a seed list
     of another length."""

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.draw import has_stop, sample, warpers
-from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
+from agentenv.lm.engine import Generation, SamplingConfig, check_batch, stop_and_pad_ids
 from agentenv.lm.precision import autocast, resolve_dtype
 
 
@@ -58,10 +58,7 @@ class ReferencePolicy:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = resolve_dtype(dtype, self.device)
-        ids = default_stop_ids(model, tokenizer) if stop_token_ids is None else stop_token_ids
-        self.stop_token_ids = list(ids)
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = pad if pad is not None else self.stop_token_ids[0]
+        self.stop_token_ids, self.pad_token_id = stop_and_pad_ids(model, tokenizer, stop_token_ids)
 
     def refresh(self) -> None:
         """Nothing to do: this path samples from the trained model itself."""

@@ -62,7 +62,7 @@ import torch
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import append_cache, cached_forward, sampler_attention
 from agentenv.lm.decoding import Decoder, drain, merge_caches, plain_layers
-from agentenv.lm.engine import Generation, SamplingConfig, check_batch, default_stop_ids
+from agentenv.lm.engine import Generation, SamplingConfig, check_batch, stop_and_pad_ids
 from agentenv.lm.models import limit_onednn_cache
 from agentenv.lm.precision import resolve_dtype
 from agentenv.lm.weights import release_packed, sampling_copy, sync_weights, trainable_version
@@ -148,11 +148,7 @@ class TransformersPolicy:
                 f"got {draft_tokens}"
             )
         self.draft_tokens = draft_tokens
-        if stop_token_ids is None:
-            stop_token_ids = default_stop_ids(model, tokenizer)
-        self.stop_token_ids = list(stop_token_ids)
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = pad if pad is not None else self.stop_token_ids[0]
+        self.stop_token_ids, self.pad_token_id = stop_and_pad_ids(model, tokenizer, stop_token_ids)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self.model = sampling_copy(model, self.dtype, self.device)  # what we sample from
         self._version = trainable_version(self._trainable)

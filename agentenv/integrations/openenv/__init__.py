@@ -40,8 +40,20 @@ env that runs code outside bubblewrap (Workspace-v0 in ``rlimit`` mode) unless
 how many seeds make its tasks (task ``i`` is ``reset(seed=i)``).
 """
 
-from agentenv.integrations.openenv.client import OpenEnvClientEnv, TokenClient, server_info
-from agentenv.integrations.openenv.server import (
+try:  # every submodule imports OpenEnv; the package runs first and says how to install it
+    import openenv.core  # noqa: F401
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        f"agentenv.integrations.openenv needs OpenEnv ({exc}); install it with "
+        "`pip install 'agentenv[openenv]'` (PyPI openenv-core)"
+    ) from exc
+
+from agentenv.integrations.openenv.client import (  # noqa: E402
+    OpenEnvClientEnv,
+    TokenClient,
+    server_info,
+)
+from agentenv.integrations.openenv.server import (  # noqa: E402
     INFO_ROUTE,
     AgentEnvAction,
     AgentEnvObservation,
@@ -52,7 +64,7 @@ from agentenv.integrations.openenv.server import (
     env_info,
     server_class,
 )
-from agentenv.integrations.openenv.trl import RemoteEnvironment, environment_factory
+from agentenv.integrations.openenv.trl import RemoteEnvironment, environment_factory  # noqa: E402
 
 __all__ = [
     "INFO_ROUTE",

@@ -8,19 +8,13 @@ import urllib.error
 import urllib.request
 from typing import Any, SupportsFloat
 
+from openenv.core import GenericEnvClient
+from websockets.asyncio.client import connect as ws_connect
+
 from agentenv.env.core import TextEnv
 from agentenv.env.spaces import Message
 from agentenv.errors import AgentEnvError, InvalidOptionError
-from agentenv.integrations.openenv.server import INFO_ROUTE, TOKEN_ENV_VAR  # says if no OpenEnv
-
-try:
-    from openenv.core import GenericEnvClient
-    from websockets.asyncio.client import connect as ws_connect
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError(
-        f"agentenv.integrations.openenv needs OpenEnv ({exc}); install it with "
-        "`pip install 'agentenv[openenv]'` (PyPI openenv-core)"
-    ) from exc
+from agentenv.integrations.openenv.server import INFO_ROUTE, TOKEN_ENV_VAR
 
 
 def resolve_token(token: str | None) -> str | None:

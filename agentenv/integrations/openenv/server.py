@@ -8,22 +8,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, ClassVar
 
+from openenv.core.env_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
+
 from agentenv.env.core import SPLITS, ToolEnv
 from agentenv.env.parsers import ToolCall
 from agentenv.env.registration import make
 from agentenv.errors import InvalidOptionError
 from agentenv.integrations.trl import class_stem
-
-try:
-    from openenv.core.env_server import create_app
-    from openenv.core.env_server.interfaces import Environment
-    from openenv.core.env_server.types import Action, Observation, State
-    from pydantic import Field
-except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError(
-        f"agentenv.integrations.openenv needs OpenEnv ({exc}); install it with "
-        "`pip install 'agentenv[openenv]'` (PyPI openenv-core)"
-    ) from exc
 
 INFO_ROUTE = "/agentenv/info"
 """GET: the served env's id, tools, stop strings and task counts (what a client needs)."""
