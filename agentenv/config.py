@@ -236,7 +236,10 @@ def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[s
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif origin is list or base is list:
+            item = (typing.get_args(base) or (str,))[0]  # list[float]: each item a float
             kwargs.update(nargs="*", metavar="ITEM")
+            if item in (int, float):
+                kwargs.update(type=_converter(item, False, flags[0]), metavar=item.__name__.upper())
         elif origin is dict or base is dict:
             kwargs.update(type=parse_json_object, metavar="JSON")
         elif base in (int, float, str):

@@ -289,3 +289,121 @@ class SFTConfig(TrainerConfig):
             if getattr(self, name) < 1:
                 raise InvalidOptionError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         check_schedule(self.lr_scheduler, self.warmup_steps, self.total_steps)
+
+
+# The hyper-parameters a population member may have of its own, and where the run's value
+# (every member's start, unless member_start says otherwise) is owned.
+HYPERPARAMETERS = {
+    "learning_rate": "grpo.learning_rate",
+    "beta": "grpo.beta",
+    "entropy_coef": "grpo.entropy_coef",
+    "temperature": "rollout.sampling.temperature",
+}
+MUTATION_BOUNDS = {
+    "learning_rate": [1e-7, 1e-2],
+    "beta": [0.0, 1.0],
+    "entropy_coef": [0.0, 0.1],
+    "temperature": [0.1, 2.0],
+}
+
+
+@dataclass
+class EvolutionConfig:
+    """Evolutionary hyper-parameter search (AgileRL's tournament with elitism, and its
+    multiplicative mutations) over a population of LoRA adapters on one base model:
+    see :mod:`algorithms.evolution` and :mod:`algorithms.population`."""
+
+    population: int = option(
+        1,
+        "Members trained side by side: each a LoRA adapter (with its own AdamW state, LR "
+        "schedule and hyper-parameters) on one shared base model in one process. 1: a "
+        "plain run.",
+    )
+    evolve_every: int = option(
+        5,
+        "Steps between evolutions: every member's fitness is measured, a tournament picks "
+        "the parents and the losers become mutated copies of winners (0: never; the members "
+        "train independently).",
+    )
+    validation_tasks: int = option(
+        16,
+        "Fitness: a member's mean reward, greedy, on the train split's first N tasks (a "
+        "fixed slice; never the test split).",
+    )
+    tournament_size: int = option(
+        2, "Members drawn (without replacement) for each tournament; the fittest wins."
+    )
+    elitism: bool = option(
+        True, "The fittest member survives every evolution as it is (never mutated)."
+    )
+    mutation_prob: float = option(
+        0.5,
+        "Chance that a new member (any but the elite) has one hyper-parameter, drawn from "
+        "`mutate`, multiplied by a factor drawn from `mutation_factors`.",
+    )
+    mutate: list[str] = option(
+        list(HYPERPARAMETERS),
+        f"Hyper-parameters that may mutate, of {list(HYPERPARAMETERS)}. One at 0 stays 0 "
+        "(mutations multiply): beta and entropy_coef mutate only where they start above 0.",
+    )
+    mutation_factors: list[float] = option(
+        [0.5, 2.0],
+        "A mutation multiplies the value by one of these, then clips it to mutation_bounds "
+        "(AgileRL uses 0.8 and 1.2; a short run has few evolutions, hence larger steps).",
+    )
+    mutation_bounds: dict[str, list[float]] = option(
+        MUTATION_BOUNDS, "[low, high] of each hyper-parameter a mutation may reach."
+    )
+    member_start: dict[str, list[float]] = option(
+        {},
+        "Each member's starting value of a hyper-parameter, one per member, e.g. "
+        '{"learning_rate": [5e-6, 5e-6, 5e-4, 5e-5]}; the others start from the run\'s own '
+        "(grpo.learning_rate, grpo.beta, grpo.entropy_coef, rollout.sampling.temperature).",
+    )
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.population >= 1, "population", "must be >= 1 (1: a plain run)"),
+            (self.evolve_every >= 0, "evolve_every", "must be >= 0 (0: never evolve)"),
+            (self.validation_tasks >= 1, "validation_tasks", "must be >= 1"),
+            (self.tournament_size >= 1, "tournament_size", "must be >= 1"),
+            (0 <= self.mutation_prob <= 1, "mutation_prob", "must be in [0, 1]"),
+            (
+                bool(self.mutation_factors) and all(f > 0 for f in self.mutation_factors),
+                "mutation_factors",
+                "must be one or more factors > 0",
+            ),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise InvalidOptionError(f"{name} {rule}, got {getattr(self, name)!r}")
+        for field, names in (
+            ("mutate", self.mutate),
+            ("mutation_bounds", list(self.mutation_bounds)),
+            ("member_start", list(self.member_start)),
+        ):
+            unknown = [n for n in names if n not in HYPERPARAMETERS]
+            if unknown:
+                raise InvalidOptionError(
+                    f"{field} names {unknown}, which are not hyper-parameters a member has of "
+                    f"its own; use {list(HYPERPARAMETERS)}"
+                )
+        for name, bounds in self.mutation_bounds.items():
+            if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+                raise InvalidOptionError(
+                    f"mutation_bounds[{name!r}] must be [low, high] with 0 <= low <= high, "
+                    f"got {bounds!r}"
+                )
+        for name, values in self.member_start.items():
+            if len(values) != self.population:
+                raise InvalidOptionError(
+                    f"member_start[{name!r}] has {len(values)} values for a population of "
+                    f"{self.population}; give one per member"
+                )
+            if any(v < 0 for v in values) or (
+                name in ("learning_rate", "temperature") and any(v <= 0 for v in values)
+            ):
+                raise InvalidOptionError(
+                    f"member_start[{name!r}] must hold values > 0 (>= 0 for beta and "
+                    f"entropy_coef), got {values!r}"
+                )

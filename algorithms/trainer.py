@@ -124,14 +124,10 @@ class Trainer:
                 seed,
                 cfg.lora_layers,
             )
+        self.total_steps = total_steps
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        name = cfg.lr_scheduler
-        if name == "constant" and cfg.warmup_steps:
-            name = "constant_with_warmup"
-        self.scheduler = get_scheduler(
-            name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps
-        )
+        self.scheduler = self._schedule(optimizer)
         # the scheduler is not prepared: accelerate would step it once per process
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         # float16 gradients underflow to zero without loss scaling; a no-op in other dtypes
@@ -141,6 +137,27 @@ class Trainer:
         # the prepared model's own: FSDP2 replaces the parameters with sharded ones (and
         # points the optimizer at them), so the list above would clip stale tensors
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def _schedule(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The config's LR schedule over ``optimizer`` (a ``LambdaLR``)."""
+        cfg = self.config
+        name = cfg.lr_scheduler
+        if name == "constant" and cfg.warmup_steps:
+            name = "constant_with_warmup"
+        return get_scheduler(
+            name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.total_steps
+        )
+
+    def new_optimizer(self, learning_rate: float) -> tuple[torch.optim.Optimizer, Any]:
+        """Another AdamW (fresh state) over the same trainable parameters, at peak LR
+        ``learning_rate``, with its own schedule: a population member's
+        (:mod:`algorithms.population`). The trainer keeps using ``self.optimizer`` until
+        the caller swaps it in."""
+        optimizer = torch.optim.AdamW(
+            self._params, lr=learning_rate, weight_decay=self.config.weight_decay
+        )
+        scheduler = self._schedule(optimizer)
+        return self.accelerator.prepare_optimizer(optimizer), scheduler
 
     def _before_adapters(self, model: torch.nn.Module) -> None:
         """Hook: see the model as passed in, before any adapter (GRPO's reference copy)."""

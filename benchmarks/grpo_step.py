@@ -22,7 +22,8 @@ turn with neither a tool call nor an answer with a format reminder and goes on, 
 default a wrapper ends its episodes there too. ``--turn-rule agentenv`` keeps agentenv's
 native behaviour (more turns and tokens per step for a model that does not call tools).
 
-Engines (``--engines``): ``agentenv`` samples with the bundled sampler, ``vllm`` with vLLM
+Engines (``--engines``): ``agentenv`` samples with the bundled sampler, ``reference`` with the
+plain decoding path (agentenv only), ``vllm`` with vLLM
 in the trainer's process (``--engine vllm``); that worker runs under ``--vllm-python``
 (default: this Python if it imports vllm, else ``.venv-vllm/bin/python`` from
 ``install.sh --vllm``, whose vLLM CPU wheel pins an older transformers than the main venv).
@@ -91,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         nargs="+",
         default=["agentenv"],
-        choices=["agentenv", "vllm"],
-        help="generation engines: agentenv and TRL run once per engine (vllm: TRL's colocate)",
+        choices=["agentenv", "reference", "vllm"],
+        help="generation engines: agentenv and TRL run once per engine (vllm: TRL's colocate); "
+        "reference: agentenv's plain decoding path only (TRL's own generate is its default)",
     )
     p.add_argument("--engine", default="agentenv", help=argparse.SUPPRESS)  # a worker's
     p.add_argument("--vllm-python", help="the Python the vllm engine runs under")
@@ -265,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.result_file).write_text(json.dumps(result))
         return 0
     ours = [] if args.only == "trl" else [f"agentenv-{e}" for e in args.engines]
-    theirs = [] if args.only == "agentenv" else [f"trl-{e}" for e in args.engines]
+    trl_engines = [e for e in args.engines if e != "reference"]  # TRL has no plain sampler
+    theirs = [] if args.only == "agentenv" else [f"trl-{e}" for e in trl_engines]
     systems = [s.removesuffix("-agentenv") for s in [*ours, *theirs]]
     if "trl" in systems and importlib.util.find_spec("trl") is None:
         print(INSTALL_HINT, file=sys.stderr)
@@ -277,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         if system.endswith("-vllm"):
             worker = system.removesuffix("-vllm")
             result = run_worker(worker, argv, vllm_python(args), engine="vllm")
+        elif system.endswith("-reference"):
+            result = run_worker(system.removesuffix("-reference"), argv, engine="reference")
         else:
             result = run_worker(system, argv)
         if result is not None:

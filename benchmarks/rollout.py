@@ -22,7 +22,8 @@ tokens); ``decode tok/s`` is the policy tokens over the rest of generation, the 
 fixed work measures.
 
 ``--engines`` picks the generation engines measured one after the other in the same run:
-``agentenv`` (the bundled sampler) and ``vllm`` (vLLM in this process, ``--engine vllm``:
+``agentenv`` (the bundled sampler), ``reference`` (the plain decoding path,
+agentenv/lm/reference.py) and ``vllm`` (vLLM in this process, ``--engine vllm``:
 run the script with a Python that has vLLM, e.g. ``.venv-vllm/`` from ``install.sh
 --vllm``). vLLM's fixed work is its own ``LLM.generate`` with ``ignore_eos``.
 
@@ -156,7 +157,7 @@ def fixed_work(
 ) -> tuple[float, float | None]:
     """tok/s of ``rows`` copies of one chat prompt (:func:`fixed_prompt`), 128 new tokens
     each, no stop, and the rows decoded per sequence run (rows share one until they draw
-    different tokens; None for vLLM, which runs every row)."""
+    different tokens; None for vLLM and the reference path, which run every row)."""
     import agentenv
 
     ids = fixed_prompt(policy.tokenizer, prompt_tokens)
@@ -176,20 +177,25 @@ def fixed_work(
         return sum(len(o.outputs[0].token_ids) for o in outs) / seconds, None
     stop_ids = policy.stop_token_ids
     policy.stop_token_ids = [-1]  # no row ends early
-    decoded = policy.decoded_rows, policy.decoded_slots
+    counts = hasattr(policy, "decoded_rows")  # the reference path shares no rows
+    decoded = (policy.decoded_rows, policy.decoded_slots) if counts else (0, 0)
     try:
         t0 = time.perf_counter()
         gens = policy.generate([ids] * rows, sampling, seeds=list(range(rows)))
         seconds = time.perf_counter() - t0
     finally:
         policy.stop_token_ids = stop_ids
-        policy.clear_cache()
-    shared = (policy.decoded_rows - decoded[0]) / (policy.decoded_slots - decoded[1])
-    return sum(len(g.token_ids) for g in gens) / seconds, shared
+        if counts:
+            policy.clear_cache()
+    tps = sum(len(g.token_ids) for g in gens) / seconds
+    if not counts:
+        return tps, None
+    return tps, (policy.decoded_rows - decoded[0]) / (policy.decoded_slots - decoded[1])
 
 
 def per_slot(shared: float | None) -> str:
-    """Fixed work's rows decoded per sequence run, for its line (none for vLLM)."""
+    """Fixed work's rows decoded per sequence run, for its line (none for vLLM and the
+    reference path)."""
     return "" if shared is None else f" ({shared:.2f} rows per sequence run)"
 
 
@@ -224,7 +230,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--engines", nargs="+", default=["agentenv"], choices=["agentenv", "vllm"])
+    parser.add_argument(
+        "--engines", nargs="+", default=["agentenv"], choices=["agentenv", "reference", "vllm"]
+    )
     parser.add_argument(
         "--rag-retriever",
         default="hybrid",

@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from agentenv.errors import InvalidOptionError
+from agentenv.lm.attention import cached_forward
 from agentenv.lm.draw import has_stop, sample, warpers
 from agentenv.lm.engine import Generation, SamplingConfig, check_batch, stop_and_pad_ids
 from agentenv.lm.precision import autocast, resolve_dtype
@@ -134,16 +135,16 @@ class ReferencePolicy:
         ``cache`` (extended in place); ``mask`` (n, L) covers the cache and ``ids``."""
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
         dev = self.device
-        with autocast(dev, self.dtype):
-            out = self.model(
+        with autocast(dev, self.dtype):  # the cache's argument is named as the model says
+            logits, _ = cached_forward(
+                self.model,
+                cache,
                 input_ids=ids.to(dev),
                 attention_mask=mask.to(dev),
                 position_ids=positions.to(dev),
-                past_key_values=cache,
-                use_cache=True,
                 logits_to_keep=1,
             )
-        return out.logits[:, -1].float()
+        return logits[:, -1].float()
 
     def _end_reason(
         self, tokens: list[int], limit: int, stop_ids: set[int], stop_strings: list[str]

@@ -21,7 +21,7 @@ from agentenv.lm.models import DEFAULT_MODEL
 from agentenv.lm.precision import check_dtype
 from agentenv.rollout.config import RolloutConfig
 from agentenv.run.profiles import profile_settings
-from algorithms.config import GRPOConfig, SFTConfig
+from algorithms.config import EvolutionConfig, GRPOConfig, SFTConfig
 
 T = TypeVar("T")
 
@@ -118,6 +118,11 @@ class TrainConfig(CommandConfig):
     grpo: GRPOConfig = option(GRPOConfig(), "GRPO hyper-parameters (section).")
     generation: EngineConfig = option(
         EngineConfig(), "Which engine samples the episodes (section)."
+    )
+    evolution: EvolutionConfig = option(
+        EvolutionConfig(),
+        "Evolutionary hyper-parameter search over a population of adapters (section; "
+        "population 1: off).",
     )
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -22,10 +23,29 @@ from agentenv.errors import InvalidOptionError
 from agentenv.lm.models import DEFAULT_MODEL
 
 
+def resolve_checkpoint(checkpoint: str | Path, *, say: bool = False) -> Path:
+    """``checkpoint`` itself, or for a population's checkpoint (``agentenv train
+    --population N``) the folder of its fittest member (with ``say``: one line on stderr
+    naming it)."""
+    from algorithms.population import best_member, is_population_checkpoint
+
+    checkpoint = Path(checkpoint)
+    if not is_population_checkpoint(checkpoint):
+        return checkpoint
+    folder, index = best_member(checkpoint)
+    if say:
+        print(
+            f"{checkpoint} holds a population: using its fittest member, {folder.name} "
+            f"(another member: pass {checkpoint}/member_<i>)",
+            file=sys.stderr,
+        )
+    return folder
+
+
 def checkpoint_base(checkpoint: str | Path) -> str | None:
     """The base model a checkpoint's LoRA adapter was trained on (``base_model_name_or_path``
     of ``adapter/adapter_config.json``), or None (no adapter, or none recorded)."""
-    config = Path(checkpoint) / "adapter" / "adapter_config.json"
+    config = resolve_checkpoint(checkpoint) / "adapter" / "adapter_config.json"
     try:
         return json.loads(config.read_text()).get("base_model_name_or_path") or None
     except (OSError, ValueError):
@@ -49,7 +69,7 @@ def export_checkpoint(
 
     Args:
         checkpoint: A folder written by ``agentenv sft`` / ``train`` (``adapter/`` or
-            ``model/`` inside).
+            ``model/`` inside; a population's: its fittest member).
         out: The folder to create (must not exist). Written to ``out.tmp-<pid>`` first and
             renamed, so a killed export leaves no half-written model.
         model: The base model; the default alias means "the base the adapter records".
@@ -60,7 +80,7 @@ def export_checkpoint(
         InvalidOptionError: ``checkpoint`` is not a checkpoint, ``out`` exists, or ``dtype``
             is not float32 / bfloat16. Checked before any model loads.
     """
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = resolve_checkpoint(checkpoint, say=True), Path(out)
     if not ((checkpoint / "adapter").is_dir() or (checkpoint / "model").is_dir()):
         raise InvalidOptionError(
             f"{checkpoint} has neither adapter/ nor model/; pass a checkpoint folder written by "
@@ -105,9 +125,10 @@ def load_from_checkpoint(model: torch.nn.Module, folder: str | Path) -> torch.nn
     """Apply a checkpoint's weights to a freshly loaded base model.
 
     A LoRA checkpoint (``folder/adapter``) returns a trainable ``PeftModel``; a full
-    checkpoint (``folder/model``) is loaded into ``model`` in place.
+    checkpoint (``folder/model``) is loaded into ``model`` in place; a population's, its
+    fittest member (:func:`resolve_checkpoint`).
     """
-    folder = Path(folder)
+    folder = resolve_checkpoint(folder, say=True)
     if (folder / "adapter").is_dir():
         from algorithms.lora import load_adapter
 

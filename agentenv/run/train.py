@@ -38,6 +38,7 @@ from agentenv import config as config_lib
 from agentenv.env.registration import env_name
 from agentenv.errors import EnvFailureError, InvalidOptionError
 from agentenv.lm.precision import resolve_dtype, training_dtype
+from agentenv.run import population as population_lib
 from agentenv.run.config import TrainConfig
 from agentenv.run.export import load_from_checkpoint
 from agentenv.run.no_signal import SignalWatch, env_offers, no_signal_message
@@ -178,6 +179,7 @@ def train(
             "engine vllm or agentenv"
         )
     check_engine(config.generation)
+    population_lib.check_population(config)
     if config.generation.engine != "agentenv" and world > 1:
         raise InvalidOptionError(
             f"engine {config.generation.engine} runs in one process; with {world} processes "
@@ -202,10 +204,20 @@ def train(
         seed=config.seed,
         dtype=compute,
     )
+    population, lineage = None, []  # evolution.population > 1: agentenv.run.population
+    if config.evolution.population > 1:
+        from algorithms.population import Population
+
+        population = Population(algo, population_lib.start_hyperparameters(config), sampling)
     start = 0
     ckpt_dir = run_dir / "checkpoints"
     if resume and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
-        algo.load(ckpt)
+        if population is not None:
+            lineage = population.load(ckpt).get("lineage", [])
+            if main:  # drop the killed run's evolutions after the checkpoint
+                population_lib.write_lineage(run_dir, lineage)
+        else:
+            algo.load(ckpt)
         start = algo.step
     acc = algo.accelerator
     logger = (
@@ -239,6 +251,8 @@ def train(
     def run_eval(label: str):  # noqa: ANN202
         """The main process evaluates; the others wait for it."""
         report = None
+        if population is not None:  # the fittest member so far
+            population.activate(population.best())
         policy.refresh()  # every process: gathering sharded weights is a collective
         if main:
             report = evaluate(test_env, policy, fmt, eval_cfg, label=label, show_progress=False)
@@ -255,11 +269,17 @@ def train(
         steps = range(start, config.steps)
         watch = SignalWatch()  # says once if no group has a learning signal for long
         bar = tqdm(steps, initial=start, total=config.steps, desc="train", disable=not main)
-        for step in bar:
-            t0 = time.perf_counter()
+
+        def one_step(step: int, rollout_cfg: Any) -> tuple[list, dict[str, float]]:
+            """Collect the step's episodes, then learn from them (the active member's)."""
             seeds = task_share(config.seed, step, config.batch_size, rank, world)
             groups, metrics = collect(
-                train_env, seeds, policy, fmt, rollout, sample_seed=sampling_seed(config.seed, step)
+                train_env,
+                seeds,
+                policy,
+                fmt,
+                rollout_cfg,
+                sample_seed=sampling_seed(config.seed, step),
             )
             _check_failures(groups, config.max_failed_fraction, step + 1, ckpt_dir, acc)
             if hasattr(policy, "release_weights"):  # packed copies the update makes stale
@@ -270,7 +290,39 @@ def train(
             metrics["time/learn_s"] = time.perf_counter() - t_learn
             models.release_memory()
             metrics.update(_episode_stats(groups))
+            return groups, metrics
+
+        for step in bar:
+            t0 = time.perf_counter()
             done = step + 1
+            if population is None:
+                groups, metrics = one_step(step, rollout)
+            else:  # each member in turn: the same tasks, its own weights and settings
+                per_member = []
+                for index in range(len(population)):
+                    population.activate(index)
+                    algo.step = step  # the population's step: each member's learn adds 1
+                    member_rollout = dataclasses.replace(
+                        rollout, sampling=population.sampling(index)
+                    )
+                    groups, member = one_step(step, member_rollout)
+                    per_member.append(member)
+                metrics = population_lib.mean_metrics(per_member)
+                for index, member in enumerate(per_member):
+                    metrics.update(population_lib.member_metrics(index, member))
+                evo = config.evolution
+                evolve_now = evo.evolve_every and done % evo.evolve_every == 0
+                if evolve_now or done == config.steps:  # the last step: to pick the best
+                    fitness = population_lib.measure_fitness(
+                        population, train_env, policy, fmt, config, main
+                    )
+                    metrics.update({f"member{i}/fitness": f for i, f in enumerate(fitness)})
+                    if evolve_now and done < config.steps:
+                        lineage.append(population_lib.evolve(population, fitness, config, done))
+                        if main:
+                            population_lib.write_lineage(run_dir, lineage)
+                for index, hp in enumerate(population.hyperparameters):
+                    metrics.update({f"member{index}/hp/{k}": v for k, v in hp.items()})
             if (
                 config.eval_tasks
                 and config.eval_every
@@ -295,7 +347,11 @@ def train(
                     done, eps[:n], tokenizer, adv[:n], None if turns is None else turns[:n]
                 )
             if done % config.save_every == 0 or done == config.steps:
-                algo.save(ckpt_dir / f"step_{done:06d}")  # the main process writes, all wait
+                path = ckpt_dir / f"step_{done:06d}"  # the main process writes, all wait
+                if population is None:
+                    algo.save(path)
+                else:
+                    population.save(path, {"lineage": lineage})
                 if main:
                     _prune(ckpt_dir, config.keep_checkpoints)
             bar.set_postfix(
@@ -303,6 +359,8 @@ def train(
                 kl=f"{metrics['kl']:.3g}",
                 s_per_step=f"{metrics['time/step_s']:.0f}",
             )
+        if population is not None:  # the fittest member is evaluated (and exported)
+            population.activate(population.best())
         after = run_eval("after") if config.eval_tasks else None
     finally:  # an engine that holds resources (a vLLM engine, a server's adapter)
         if hasattr(policy, "close"):
@@ -315,6 +373,8 @@ def train(
         print(format_table([before, after]) if before else format_table([after]))
     logger.close()
     plots = plot_run(run_dir)
+    if population is not None and (fitness_plot := population_lib.plot_fitness(run_dir)):
+        plots.append(fitness_plot)
     print(f"run directory: {run_dir}\nplots: {', '.join(str(p) for p in plots)}")
     return run_dir
 
