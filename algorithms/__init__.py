@@ -7,6 +7,8 @@
 - ``rewards``: combining an env's named reward components.
 - ``trainer`` (model preparation, AdamW, LR schedule, accelerate), ``grpo``, ``sft``,
   ``lora``, ``checkpoint`` (atomic save, resume).
+- ``evolution`` (tournament and mutations, torch-free) and ``population`` (LoRA adapters on
+  one base, swapped into one trainer): evolutionary hyper-parameter search.
 
 The names below are loaded on first use, so ``algorithms.config`` (what the command line
 needs) does not load torch.
@@ -18,6 +20,9 @@ _LAZY = {
     "GRPOConfig": "algorithms.config",
     "SFTConfig": "algorithms.config",
     "TrainerConfig": "algorithms.config",
+    "EvolutionConfig": "algorithms.config",
+    "next_generation": "algorithms.evolution",
+    "Population": "algorithms.population",
     "compute_advantages": "algorithms.losses",
     "kl_estimate": "algorithms.losses",
     "masked_nll": "algorithms.losses",
