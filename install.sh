@@ -59,6 +59,10 @@ fi
 "$PY" -m pip install --no-deps "verl==0.9.1" "ray==2.60.0" "tensordict==0.8.3" \
   "hydra-core==1.4.0rc1" "codetiming==1.4.0" \
   || echo "install.sh: verl did not install; the verl tests will skip"
+# bitsandbytes for --quantize nf4 (QLoRA), --no-deps: it needs only torch, numpy and packaging,
+#    already here; its wheel carries the CPU library (the QLoRA tests skip without it)
+"$PY" -m pip install --no-deps "bitsandbytes==0.50.2" \
+  || echo "install.sh: bitsandbytes did not install; --quantize and its tests will skip"
 # 5. optional (--vllm): vLLM, agentenv and TRL in a venv of their own, .venv-vllm/: vLLM's
 #    OpenAI server for --engine server, --engine vllm (docs/training.md#engines), and TRL
 #    with use_vllm for benchmarks/grpo_step.py --engines vllm.

@@ -49,7 +49,10 @@ def _load_policy(args: argparse.Namespace):  # noqa: ANN202
     device = args.device or models.default_device()
     adapter = getattr(args, "adapter", None)
     model, tokenizer = models.load(  # an adapter's own base unless --model names another
-        base_model_for(adapter, args.model), dtype=resolve_dtype(args.dtype, device), device=device
+        base_model_for(adapter, args.model),
+        dtype=resolve_dtype(args.dtype, device),
+        device=device,
+        quantize=getattr(args, "quantize", None),
     )
     if adapter:
         # A LoRA adapter stays unmerged: folded into bf16 weights most of a small update

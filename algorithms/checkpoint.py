@@ -10,7 +10,7 @@ A checkpoint is a folder::
     scheduler.pt           LR scheduler state
     rng_state.pt           python, numpy, torch (and CUDA) RNG states of the main process
     critic.pt              GRPO with credit="gae": the value head and its optimizer state
-    trainer_state.json     {"step": ..., "config": {...GRPOConfig...}}
+    trainer_state.json     {"step": ..., "config": {...GRPOConfig...}, "quantize": "nf4" | null}
     checkpoint_complete.json   written last: {"step": ...}
 
 Everything is written into ``<path>.tmp-<pid>`` next to the target, fsynced, marked complete
@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from agentenv.errors import CheckpointError, InvalidOptionError
+from agentenv.lm.quantize import quantization_of
 from agentenv.lm.weights import is_sharded
 
 
@@ -191,7 +192,11 @@ def save_checkpoint(trainer: Checkpointable, path: str | Path) -> Path:
             torch.save(_rng_state(), tmp / "rng_state.pt")
             for name, value in trainer.extra_state().items():  # e.g. GRPO's critic
                 torch.save(value, tmp / f"{name}.pt")
-            state = {"step": trainer.step, "config": dataclasses.asdict(trainer.config)}
+            state = {
+                "step": trainer.step,
+                "config": dataclasses.asdict(trainer.config),
+                "quantize": quantization_of(model),  # QLoRA's 4-bit base, for export
+            }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
 
         try:

@@ -43,15 +43,23 @@ def check_engine(config: EngineConfig) -> None:
                 )
 
 
-def fast_sampler_missing() -> str | None:
-    """Why the bundled fast sampler (:mod:`agentenv.lm.sampler`) cannot run with this
-    transformers, or None. It builds on transformers' internals (cache layers, the
-    attention registry, Llama's modules): a release that moved one fails its import, and
-    :func:`make_policy` then decodes with the reference path instead."""
+def fast_sampler_missing(model: torch.nn.Module | None = None) -> str | None:
+    """Why the bundled fast sampler (:mod:`agentenv.lm.sampler`) cannot decode ``model``
+    here, or None; :func:`make_policy` then decodes with the reference path instead.
+
+    It builds on transformers' internals (cache layers, the attention registry, Llama's
+    modules): a release that moved one fails its import. And it packs plain weight
+    matrices, which a 4-bit (bitsandbytes) base does not have."""
     try:
         import agentenv.lm.sampler  # noqa: F401
     except ImportError as exc:
         return f"cannot be imported with this transformers ({exc})"
+    if model is not None:
+        from agentenv.lm.quantize import quantization_of
+
+        quantized = quantization_of(model)
+        if quantized is not None:
+            return f"packs plain weights, and this base is in 4 bits ({quantized})"
     return None
 
 
@@ -85,7 +93,7 @@ def make_policy(
     compute = resolve_dtype(dtype, param.device)
     engine = config.engine
     if engine == "agentenv":
-        problem = fast_sampler_missing()
+        problem = fast_sampler_missing(model)
         if problem is not None:
             logger.warning("decoding with the reference path: the fast sampler %s", problem)
             engine = "reference"

@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentenv.config import agentenv_home
 from agentenv.errors import InvalidOptionError, ModelLoadError
@@ -312,6 +312,7 @@ def load(
     *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
+    quantize: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer; aliases and local folders work offline.
 
@@ -324,6 +325,8 @@ def load(
         dtype: One of :data:`~agentenv.lm.precision.DTYPES` (``"auto"``: bfloat16 where
             the device computes it natively, else float32) or a ``torch.dtype``.
         device: Where to put the model; ``None``: :func:`default_device`.
+        quantize: ``"nf4"``: its linear layers in 4 bits through bitsandbytes, computing
+            in ``dtype`` (QLoRA's frozen base; :mod:`agentenv.lm.quantize`).
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode, the tokenizer as from
@@ -339,11 +342,20 @@ def load(
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)  # "auto" means what it means everywhere
     path = resolve(name_or_path)
+    kwargs: dict[str, Any] = {}
+    if quantize is not None:
+        from agentenv.lm.quantize import check_quantize, quantization_config
+
+        check_quantize(quantize)
+        kwargs = {"quantization_config": quantization_config(quantize, dtype)}
+        kwargs["device_map"] = {"": str(device)}  # bitsandbytes quantizes on placement
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise _not_loadable(name_or_path, path, exc) from exc
-    model.to(device).eval()
+    if quantize is None:
+        model.to(device)
+    model.eval()
     tokenizer = _tokenizer_from(name_or_path, path)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -19,6 +19,7 @@ from agentenv.errors import InvalidOptionError
 from agentenv.lm.engine import EngineConfig, SamplingConfig
 from agentenv.lm.models import DEFAULT_MODEL
 from agentenv.lm.precision import check_dtype
+from agentenv.lm.quantize import check_quantize
 from agentenv.rollout.config import RolloutConfig
 from agentenv.run.profiles import profile_settings
 from algorithms.config import EvolutionConfig, GRPOConfig, SFTConfig
@@ -44,10 +45,20 @@ class CommandConfig:
         "trains with dynamic loss scaling). Trained weights stay float32; a LoRA run keeps its "
         "frozen base in this dtype.",
     )
+    quantize: str | None = option(
+        None,
+        "nf4: load the frozen base's linear layers in 4 bits through bitsandbytes (QLoRA: "
+        "LoRA trains on top; CPU or GPU; decodes with the reference path). None: in dtype.",
+    )
 
     def __post_init__(self) -> None:
         config_lib.coerce_sections(self)
         check_dtype(self.dtype, self.device)
+        check_quantize(self.quantize, self._trains_adapters())
+
+    def _trains_adapters(self) -> bool:
+        """Whether this command trains LoRA adapters (a 4-bit base needs them)."""
+        return True
 
 
 def resolve(
@@ -148,6 +159,15 @@ class TrainConfig(CommandConfig):
                 f"temperature must be > 0 for training (GRPO learns from sampled episodes), "
                 f"got {self.rollout.sampling.temperature}"
             )
+        if self.quantize and self.generation.engine in ("vllm", "server"):
+            raise InvalidOptionError(
+                f"quantize={self.quantize!r} with engine {self.generation.engine}: that engine "
+                "samples from its own copy of the base, not the 4-bit one trained on; use "
+                "engine agentenv (it decodes a 4-bit model with the reference path)"
+            )
+
+    def _trains_adapters(self) -> bool:
+        return self.grpo.use_lora
 
     @classmethod
     def resolve(
@@ -178,6 +198,9 @@ class SFTRunConfig(CommandConfig):
         super().__post_init__()
         if self.num_demos < 1:
             raise InvalidOptionError(f"num_demos must be >= 1, got {self.num_demos}")
+
+    def _trains_adapters(self) -> bool:
+        return self.sft.use_lora
 
 
 @dataclass

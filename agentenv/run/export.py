@@ -52,6 +52,15 @@ def checkpoint_base(checkpoint: str | Path) -> str | None:
         return None
 
 
+def checkpoint_quantize(checkpoint: str | Path) -> str | None:
+    """The 4-bit type of the base a checkpoint was trained on (QLoRA), or None."""
+    state = resolve_checkpoint(checkpoint) / "trainer_state.json"
+    try:
+        return json.loads(state.read_text()).get("quantize")
+    except (OSError, ValueError):
+        return None
+
+
 def base_model_for(checkpoint: str | Path | None, model: str) -> str:
     """The base model to load for ``checkpoint``: ``model`` if the user chose one (anything
     but the default alias), else the base the adapter records, if it is still there."""
@@ -97,7 +106,15 @@ def export_checkpoint(
     from agentenv.run.export import load_from_checkpoint
 
     base = base_model_for(checkpoint, model)
-    policy, tokenizer = models.load(base, dtype="float32", device="cpu")
+    quantized = checkpoint_quantize(checkpoint)
+    policy, tokenizer = models.load(base, dtype="float32", device="cpu", quantize=quantized)
+    if quantized:  # the adapter learned against the 4-bit weights: merge into those
+        print(
+            f"{checkpoint} was trained on a {quantized} base: merging into that base "
+            "de-quantized to float32",
+            file=sys.stderr,
+        )
+        policy = policy.dequantize()
     policy = load_from_checkpoint(policy, checkpoint)
     if hasattr(policy, "merge_and_unload"):
         policy = policy.merge_and_unload()  # in float32: the update is kept
@@ -109,7 +126,9 @@ def export_checkpoint(
         tokenizer.save_pretrained(tmp)  # with the chat template the episodes were built with
         (tmp / "README.md").write_text(
             f"# Exported by agentenv\n\nBase model: `{base}`\nCheckpoint: `{checkpoint}`\n"
-            f"Weights: LoRA merged in float32, saved as {dtype}.\n\n"
+            f"Weights: LoRA merged in float32"
+            + (f" into the {quantized} base, de-quantized" if quantized else "")
+            + f", saved as {dtype}.\n\n"
             "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
             f'tokenizer = AutoTokenizer.from_pretrained("{out}")\n```\n'

@@ -39,7 +39,10 @@ def sft(config: SFTRunConfig) -> Path:
     compute = resolve_dtype(config.dtype, device)
     sft_config = config.sft
     model, tokenizer = models.load(
-        config.model, dtype=training_dtype(compute, sft_config.use_lora), device=device
+        config.model,
+        dtype=training_dtype(compute, sft_config.use_lora),
+        device=device,
+        quantize=config.quantize,
     )
     fmt = ChatFormat(tokenizer)
     episodes = demonstration_episodes(

@@ -191,7 +191,10 @@ def train(
     compute = resolve_dtype(config.dtype, device)
     grpo_cfg, rollout, sampling = config.grpo, config.rollout, config.rollout.sampling
     policy_model, tokenizer = models.load(
-        config.model, dtype=training_dtype(compute, grpo_cfg.use_lora), device=device
+        config.model,
+        dtype=training_dtype(compute, grpo_cfg.use_lora),
+        device=device,
+        quantize=config.quantize,
     )
     if config.init_from:
         policy_model = load_from_checkpoint(policy_model, Path(config.init_from))
