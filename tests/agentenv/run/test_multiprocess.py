@@ -217,3 +217,24 @@ def test_sharding_the_sampler_or_checkpoints_cannot_gather_is_refused_before_loa
         check_sharding({"ACCELERATE_USE_FSDP": "true"})  # accelerate's default version is 1
     with pytest.raises(InvalidOptionError, match="ZeRO-3.*fsdp_version: 2.*zero_stage: 2"):
         check_sharding({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
+
+
+def test_a_population_trains_on_two_processes(tiny_model_dir, tmp_path):
+    """Every process holds every member and trains each on its share of the tasks; the
+    main process measures the fitness and broadcasts it, so both carry out the same
+    evolution (a process without the values would fail) and the checkpoint holds every
+    member."""
+    out = tmp_path / "pop"
+    args = ("coin_env:CoinCalculator-v0", "--batch-size", "4", "--learning-rate", "1e-2")
+    args += ("--population", "2", "--evolve-every", "1", "--validation-tasks", "2")
+    args += ("--mutation-prob", "1", "--dtype", "float32")
+    proc = launch(2, out, tiny_model_dir, *args, "--steps", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"run directory: {out}" in proc.stdout
+    lineage = [json.loads(line) for line in (out / "lineage.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lineage] == [1] and len(lineage[0]["children"]) == 2
+    state = json.loads((out / "checkpoints/step_000002/population.json").read_text())
+    assert [len(m["fitness"]) for m in state["members"]] == [2, 2]
+    for member in ("member_0", "member_1"):
+        assert (out / "checkpoints/step_000002" / member / "adapter").is_dir()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()] == [1, 2]
