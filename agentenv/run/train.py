@@ -313,6 +313,8 @@ def train(
                 metrics = population_lib.mean_metrics(per_member)
                 for index, member in enumerate(per_member):
                     metrics.update(population_lib.member_metrics(index, member))
+                for index, hp in enumerate(population.hyperparameters):  # the step's own
+                    metrics.update({f"member{index}/hp/{k}": v for k, v in hp.items()})
                 evo = config.evolution
                 evolve_now = evo.evolve_every and done % evo.evolve_every == 0
                 if evolve_now or done == config.steps:  # the last step: to pick the best
@@ -324,8 +326,6 @@ def train(
                         lineage.append(population_lib.evolve(population, fitness, config, done))
                         if main:
                             population_lib.write_lineage(run_dir, lineage)
-                for index, hp in enumerate(population.hyperparameters):
-                    metrics.update({f"member{index}/hp/{k}": v for k, v in hp.items()})
             if (
                 config.eval_tasks
                 and config.eval_every

@@ -29,7 +29,7 @@ def config(model_dir, out, **kw):
         model=model_dir,
         env_id="CoinCalculator-v0",
         env_kwargs=ENV,
-        steps=5,
+        steps=3,
         batch_size=2,
         rollout={
             "group_size": 2,
@@ -45,7 +45,7 @@ def config(model_dir, out, **kw):
         grpo={"learning_rate": 1e-3},
         evolution={
             "population": 3,
-            "evolve_every": 2,
+            "evolve_every": 1,
             "validation_tasks": 2,
             "mutation_prob": 1.0,
             "member_start": {"learning_rate": LRS},
@@ -65,42 +65,41 @@ def member_weights(run, step):
 def test_a_population_run_evolves_logs_its_lineage_and_resumes_exactly(tiny_model_dir, tmp_path):
     whole = train(config=config(tiny_model_dir, tmp_path / "whole"))
     lineage = read_lineage(whole)
-    assert [r["step"] for r in lineage] == [2, 4]  # every 2 steps, never after the last
+    assert [r["step"] for r in lineage] == [1, 2]  # every step, never after the last
     children = lineage[-1]["children"]
     assert sorted(c["slot"] for c in children) == [0, 1, 2]
     assert sum(c["elite"] for c in children) == 1
     assert all(c["mutation"] for c in children if not c["elite"])  # mutation_prob 1
     rows = read_metrics(whole)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert {"member0/rewards/mean", "member2/loss", "member1/hp/learning_rate"} <= set(rows[0])
     assert rows[0]["member2/hp/learning_rate"] == 1e-2
-    assert "member0/fitness" in rows[1] and "member0/fitness" not in rows[2]
-    assert "member0/fitness" in rows[4]  # measured at the end, to pick the best
+    assert all("member0/fitness" in row for row in rows)  # 2 evolutions and the end's
     assert rows[0]["rewards/mean"] == pytest.approx(
         sum(rows[0][f"member{i}/rewards/mean"] for i in range(3)) / 3
     )
     assert (whole / "plots" / "fitness.png").is_file()
-    state = json.loads((whole / "checkpoints/step_000005/population.json").read_text())
-    assert state["lineage"] == lineage and state["step"] == 5
+    state = json.loads((whole / "checkpoints/step_000003/population.json").read_text())
+    assert state["lineage"] == lineage and state["step"] == 3
     assert [len(m["fitness"]) for m in state["members"]] == [3, 3, 3]
     assert [m["hyperparameters"] for m in state["members"]] == [
         c["hyperparameters"] for c in children
     ]
 
-    # a run killed after step 3's checkpoint, resumed (an evolution after step 4): the
+    # a run killed after step 1's checkpoint, resumed (an evolution after step 2): the
     # same weights and lineage
     split = tmp_path / "split"
     shutil.copytree(whole, split)
-    for step in (4, 5):
+    for step in (2, 3):
         shutil.rmtree(split / "checkpoints" / f"step_{step:06d}")
     (split / "lineage.jsonl").write_text("")  # whatever the killed run left
     train(config=config(tiny_model_dir, split), resume=True)
-    for a, b in zip(member_weights(whole, 5), member_weights(split, 5), strict=True):
+    for a, b in zip(member_weights(whole, 3), member_weights(split, 3), strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert read_lineage(split) == lineage
-    assert json.loads((split / "checkpoints/step_000005/population.json").read_text()) == state
+    assert json.loads((split / "checkpoints/step_000003/population.json").read_text()) == state
     # the members did learn, and differently
-    w = member_weights(whole, 5)
+    w = member_weights(whole, 3)
     assert any(not torch.equal(w[0][k], w[1][k]) for k in w[0] if "lora_B" in k)
 
     # the best member is what eval and export use
