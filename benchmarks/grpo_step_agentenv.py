@@ -62,7 +62,7 @@ def run_agentenv(args: argparse.Namespace) -> dict[str, Any]:
     )
     algo = GRPO(model, tokenizer, config, sampling=rollout.sampling, seed=args.seed, dtype=compute)
     fmt = agentenv.ChatFormat(tokenizer)
-    from agentenv.lm.engine import EngineConfig
+    from agentenv.lm.backend import EngineConfig
     from agentenv.lm.engines import make_policy
 
     engine = EngineConfig(engine=args.engine)

@@ -213,7 +213,7 @@ def decode_columns(m: dict, fixed: float) -> str:
 
 
 def make_policy(engine: str, model: Any, tokenizer: Any, name: str, dtype: Any) -> Any:
-    from agentenv.lm.engine import EngineConfig
+    from agentenv.lm.backend import EngineConfig
     from agentenv.lm.engines import check_engine, make_policy
 
     config = EngineConfig(engine=engine)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from draws import _uniform, assert_same_draws
 
-from agentenv.lm.engine import Generation, SamplingConfig
+from agentenv.lm.backend import Generation, SamplingConfig
 
 SAMPLED = SamplingConfig(max_new_tokens=4, temperature=1.0, stop_strings=[])
 GREEDY = SamplingConfig(max_new_tokens=4, temperature=0.0, stop_strings=[])

@@ -46,10 +46,10 @@ import torch.nn.functional as F
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import AppendCacheLayer, append_cache
+from agentenv.lm.backend import Generation, SamplingConfig
 from agentenv.lm.decode_step import decode_logits
 from agentenv.lm.drafting import lookup
 from agentenv.lm.draw import Buffers, has_stop, sample, warpers
-from agentenv.lm.engine import Generation, SamplingConfig
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 
 __all__ = ["Buffers", "has_stop", "sample", "warpers"]
 

@@ -1,4 +1,4 @@
-"""Build the generation engine an :class:`~agentenv.lm.engine.EngineConfig` names."""
+"""Build the generation engine an :class:`~agentenv.lm.backend.EngineConfig` names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import EngineConfig, PolicyBackend
+from agentenv.lm.backend import EngineConfig, PolicyBackend
 
 logger = logging.getLogger(__name__)
 

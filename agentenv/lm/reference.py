@@ -29,8 +29,8 @@ from transformers import DynamicCache
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import cached_forward
+from agentenv.lm.backend import Generation, SamplingConfig, check_batch, stop_and_pad_ids
 from agentenv.lm.draw import has_stop, sample, warpers
-from agentenv.lm.engine import Generation, SamplingConfig, check_batch, stop_and_pad_ids
 from agentenv.lm.precision import autocast, resolve_dtype
 
 

@@ -61,8 +61,8 @@ import torch
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import append_cache, cached_forward, sampler_attention
+from agentenv.lm.backend import Generation, SamplingConfig, check_batch, stop_and_pad_ids
 from agentenv.lm.decoding import Decoder, drain, merge_caches, plain_layers
-from agentenv.lm.engine import Generation, SamplingConfig, check_batch, stop_and_pad_ids
 from agentenv.lm.models import limit_onednn_cache
 from agentenv.lm.precision import resolve_dtype
 from agentenv.lm.weights import release_packed, sampling_copy, sync_weights, trainable_version

@@ -9,7 +9,7 @@ log-probs. Start vLLM for it like this (``--max-lora-rank`` at least the run's
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve MODEL_DIR --enable-lora \\
         --max-lora-rank 16 --logprobs-mode processed_logprobs
 
-:class:`ServerPolicy` is a :class:`~agentenv.lm.engine.PolicyBackend`:
+:class:`ServerPolicy` is a :class:`~agentenv.lm.backend.PolicyBackend`:
 
 * **token ids in and out**: each turn is one request whose prompt is the episode's ids so
   far; the reply's ``token_ids`` and ``logprobs`` (of the sampled token) are the turn. No
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from agentenv.errors import EngineError, InvalidOptionError
-from agentenv.lm.engine import (
+from agentenv.lm.backend import (
     Generation,
     RunningBatch,
     SamplingConfig,
@@ -263,7 +263,7 @@ class ServerPolicy:
 
 class Requests:
     """Rows of a :class:`ServerPolicy` in flight, a
-    :class:`~agentenv.lm.engine.RunningBatch`: :meth:`add` sends a row's request at once,
+    :class:`~agentenv.lm.backend.RunningBatch`: :meth:`add` sends a row's request at once,
     :meth:`step` returns the rows whose reply came back."""
 
     POLL_S = 0.02  # step() waits at most this long, so the caller also sees its env steps

@@ -1,6 +1,6 @@
 """vLLM as the generation engine, in this process beside the trainer (colocated).
 
-:class:`VLLMPolicy` is a :class:`~agentenv.lm.engine.PolicyBackend` like
+:class:`VLLMPolicy` is a :class:`~agentenv.lm.backend.PolicyBackend` like
 :class:`~agentenv.lm.sampler.TransformersPolicy`: token-id prompts in, sampled ids and
 their log-probs out. It is TRL's ``vllm_mode="colocate"`` done the same way:
 
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from agentenv.errors import EngineError, InvalidOptionError
-from agentenv.lm.engine import (
+from agentenv.lm.backend import (
     Generation,
     RunningBatch,
     SamplingConfig,
@@ -233,7 +233,7 @@ class VLLMPolicy:
 
 class EngineSteps:
     """Rows of a :class:`VLLMPolicy` as requests in vLLM's engine, a
-    :class:`~agentenv.lm.engine.RunningBatch`: :meth:`add` adds a request, :meth:`step`
+    :class:`~agentenv.lm.backend.RunningBatch`: :meth:`add` adds a request, :meth:`step`
     runs one engine step (vLLM's scheduler admits waiting requests and decodes the
     running ones) and returns the rows whose turn ended."""
 

@@ -51,7 +51,7 @@ from typing import Any
 import gymnasium as gym
 from tqdm.auto import tqdm
 
-from agentenv.lm.engine import Generation, PolicyBackend, SamplingConfig
+from agentenv.lm.backend import Generation, PolicyBackend, SamplingConfig
 from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode, EpisodeBuilder
 from agentenv.rollout.stats import retrieval_stats, tool_call_stats

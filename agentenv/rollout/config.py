@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 
 BATCHING = ("lockstep", "continuous")
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from agentenv import config as config_lib
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import EngineConfig, SamplingConfig
+from agentenv.lm.backend import EngineConfig, SamplingConfig
 from agentenv.lm.models import DEFAULT_MODEL
 from agentenv.lm.precision import check_dtype
 from agentenv.lm.quantize import check_quantize

@@ -18,7 +18,7 @@ import gymnasium as gym
 from tqdm.auto import tqdm
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import PolicyBackend, SamplingConfig
+from agentenv.lm.backend import PolicyBackend, SamplingConfig
 from agentenv.rollout.collect import collect
 from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode

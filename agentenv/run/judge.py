@@ -231,7 +231,7 @@ class TransformersJudge:
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int = 16):
-        from agentenv.lm.engine import SamplingConfig
+        from agentenv.lm.backend import SamplingConfig
         from agentenv.lm.sampler import TransformersPolicy
         from agentenv.rollout.episode import ChatFormat
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
+from agentenv.lm.backend import Generation, SamplingConfig
 from agentenv.lm.draw import warpers as _warpers
-from agentenv.lm.engine import Generation, SamplingConfig
 from agentenv.rollout.episode import Episode
 
 # How far a path's logits may be from a float64 forward of the same weights (for bf16:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 
 SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=[])
 

@@ -14,7 +14,7 @@ from draws import assert_same_draws  # (this script's folder, tests/helpers)
 from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import fully_shard
 
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 from agentenv.lm.models import load_tokenizer, tiny_model
 from agentenv.lm.sampler import TransformersPolicy
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from toy_episodes import SAMPLING, TOY_REWARDS, make_groups
 
 from agentenv.lm import weights
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 from agentenv.lm.models import load_tokenizer, tiny_model
 from agentenv.lm.sampler import TransformersPolicy
 from algorithms.config import GRPOConfig

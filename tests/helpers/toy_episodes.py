@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 from agentenv.rollout.episode import Episode
 
 SAMPLING = SamplingConfig()  # temperature 1.0: what the toy episodes were "sampled" with

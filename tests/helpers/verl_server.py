@@ -16,7 +16,7 @@ from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 
 
 class PolicyServer:

@@ -38,7 +38,7 @@ from verl_server import PolicyServer, demonstration_policy, tiny_policy  # noqa:
 import agentenv.integrations.verl as agentenv_verl  # noqa: E402
 from agentenv import make  # noqa: E402
 from agentenv.errors import InvalidOptionError  # noqa: E402
-from agentenv.lm.engine import SamplingConfig  # noqa: E402
+from agentenv.lm.backend import SamplingConfig  # noqa: E402
 from agentenv.lm.models import tiny_model  # noqa: E402
 from agentenv.lm.sampler import TransformersPolicy  # noqa: E402
 from agentenv.rollout.collect import ScriptedPolicy, collect  # noqa: E402

@@ -202,7 +202,7 @@ def test_append_cache_decodes_what_a_dynamic_cache_does(
     tiny_model = on(tiny_model, device)
     import agentenv.lm.attention as attention
     from agentenv.lm import sampler
-    from agentenv.lm.engine import SamplingConfig
+    from agentenv.lm.backend import SamplingConfig
     from agentenv.lm.sampler import TransformersPolicy
 
     monkeypatch.setattr(attention.AppendCacheLayer, "SPARE", 3)
@@ -299,7 +299,7 @@ def test_append_cache_layer_appends_copies_of_rows_into_kept_room():
 
 def test_rows_of_different_lengths_without_a_shared_prefix_have_no_nans(tiny_model, tokenizer):
     """Left-padding queries see no key at all; they must not turn the cache into NaNs."""
-    from agentenv.lm.engine import SamplingConfig
+    from agentenv.lm.backend import SamplingConfig
     from agentenv.lm.sampler import TransformersPolicy
 
     prompts = [tokenizer.encode(t) for t in ("What is 2 + 2?", "Name a colour.", "Hi")]

@@ -8,8 +8,8 @@ from devices import DEVICES, on
 
 from agentenv.lm import decode_step, weights
 from agentenv.lm.attention import cached_forward
+from agentenv.lm.backend import SamplingConfig
 from agentenv.lm.decode_step import decode_logits
-from agentenv.lm.engine import SamplingConfig
 from agentenv.lm.sampler import TransformersPolicy
 
 TEXTS = ["What is 2 + 2?", "Name a colour.", "Spell the word 'calculator' backwards, please."]

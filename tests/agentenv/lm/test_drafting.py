@@ -7,9 +7,9 @@ from devices import DEVICES, on
 from draws import assert_same_draws
 
 from agentenv.lm import decoding
+from agentenv.lm.backend import SamplingConfig
 from agentenv.lm.decoding import Decoder
 from agentenv.lm.drafting import lookup
-from agentenv.lm.engine import SamplingConfig
 from agentenv.lm.sampler import TransformersPolicy
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import EngineConfig
+from agentenv.lm.backend import EngineConfig
 from agentenv.lm.engines import make_policy
 
 

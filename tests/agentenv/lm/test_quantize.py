@@ -60,7 +60,7 @@ def load_4bit(model_dir):
 
 def test_the_base_loads_in_4_bits_and_decodes_with_the_reference_path(bnb, tiny_model_dir, caplog):
     from agentenv.lm import models
-    from agentenv.lm.engine import EngineConfig, SamplingConfig
+    from agentenv.lm.backend import EngineConfig, SamplingConfig
     from agentenv.lm.engines import make_policy
     from agentenv.lm.reference import ReferencePolicy
 

@@ -10,7 +10,7 @@ import torch
 from draws import assert_same_draws
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 from agentenv.lm.reference import ReferencePolicy, TurnBatch
 from agentenv.lm.sampler import TransformersPolicy
 

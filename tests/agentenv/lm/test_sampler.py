@@ -13,7 +13,7 @@ from draws import assert_same_draws
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm import precision, weights
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 from agentenv.lm.precision import resolve_dtype
 from agentenv.lm.sampler import TransformersPolicy
 from algorithms.logprobs import token_logprobs

@@ -27,7 +27,7 @@ from vllm_server import VLLMServer, free_port, vllm_python
 
 import agentenv
 from agentenv.errors import EngineError, InvalidOptionError
-from agentenv.lm.engine import EngineConfig
+from agentenv.lm.backend import EngineConfig
 from envs.calculator import CalculatorEnv
 
 PYTHON, WHY = vllm_python()

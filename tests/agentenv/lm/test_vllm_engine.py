@@ -24,7 +24,7 @@ from engine_checks import (
 from vllm_server import ROOT, vllm_python
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import EngineConfig
+from agentenv.lm.backend import EngineConfig
 from agentenv.lm.vllm_engine import merged_weights, vllm_missing
 
 missing = vllm_missing()

@@ -9,7 +9,7 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 import agentenv
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 from agentenv.lm.sampler import TransformersPolicy
 from agentenv.rollout.collect import collect
 from agentenv.rollout.config import RolloutConfig

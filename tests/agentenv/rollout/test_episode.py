@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import agentenv
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 from agentenv.rollout.collect import ScriptedPolicy, collect
 from agentenv.rollout.config import RolloutConfig
 from agentenv.rollout.episode import ChatFormat, Episode, EpisodeBuilder, collate

@@ -13,7 +13,7 @@ from devices import CPU_ONLY
 from draws import assert_same_episode_draws
 from run_metrics import untimed_metrics
 
-from agentenv.lm.engine import SamplingConfig
+from agentenv.lm.backend import SamplingConfig
 from agentenv.rollout.episode import Episode
 from agentenv.run.train import sampling_seed, task_seeds, task_share
 from algorithms.checkpoint import latest_checkpoint
