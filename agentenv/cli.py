@@ -44,10 +44,17 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _load_policy(args: argparse.Namespace):  # noqa: ANN202
     from agentenv.lm import models
     from agentenv.lm.precision import resolve_dtype
-    from agentenv.run.export import base_model_for, load_from_checkpoint
+    from agentenv.run.export import base_model_for, checkpoint_quantize, load_from_checkpoint
 
     device = args.device or models.default_device()
     adapter = getattr(args, "adapter", None)
+    trained_on = checkpoint_quantize(adapter) if adapter else None
+    if trained_on and trained_on != getattr(args, "quantize", None):
+        print(
+            f"note: {adapter} was trained on a {trained_on} base; this evaluates it on the "
+            f"unquantized one (pass --quantize {trained_on} for the base it was trained on)",
+            file=sys.stderr,
+        )
     model, tokenizer = models.load(  # an adapter's own base unless --model names another
         base_model_for(adapter, args.model),
         dtype=resolve_dtype(args.dtype, device),

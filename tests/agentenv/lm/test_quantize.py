@@ -104,7 +104,7 @@ def test_grpo_trains_the_adapter_and_leaves_the_4bit_weights_alone(bnb, tiny_mod
 
 
 def test_a_qlora_run_records_its_base_and_exports_into_the_dequantized_weights(
-    bnb, tiny_model_dir, tmp_path
+    bnb, tiny_model_dir, tmp_path, capsys
 ):
     import coin_env  # noqa: F401  (rewards a tiny model can vary)
     from transformers import AutoModelForCausalLM
@@ -143,3 +143,14 @@ def test_a_qlora_run_records_its_base_and_exports_into_the_dequantized_weights(
     with torch.no_grad():
         want, got = trained(ids).logits, exported(ids).logits
     assert torch.allclose(want, got, atol=1e-4), (want - got).abs().max()
+    # evaluating it on the unquantized base says so, naming the flag
+    import argparse
+
+    from agentenv.cli import _load_policy
+
+    capsys.readouterr()
+    args = argparse.Namespace(
+        adapter=str(ckpt), model=tiny_model_dir, device="cpu", dtype="float32", quantize=None
+    )
+    _load_policy(args)
+    assert "pass --quantize nf4" in capsys.readouterr().err
