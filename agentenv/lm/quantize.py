@@ -5,7 +5,7 @@ the decoder as bitsandbytes' ``Linear4bit`` (NormalFloat4, one absmax per 64 wei
 embeddings and the LM head stay in the compute dtype), and LoRA trains on top, its
 adapters in float32. bitsandbytes >= 0.48 runs this on CPUs too (its CPU library; on
 x86 without AVX512 the matmul is a dequantize then ``F.linear``): about 7x less memory for
-the quantized weights, and a forward about 1.2x slower than float32 on the 2-core AVX2
+the quantized weights, and a forward 1.25x slower than float32 on the 2-core AVX2
 machine (``python benchmarks/qlora.py``).
 
 The bundled fast sampler packs plain weight matrices, so a 4-bit model decodes with the
