@@ -73,7 +73,6 @@ class Member:
     while it is the active one), what it owns of the trainer's state, its hyper-parameters
     and the fitness measured at each evolution."""
 
-    index: int
     hyperparameters: dict[str, float]
     weights: list[torch.Tensor]
     own: dict[str, Any]
@@ -120,7 +119,7 @@ class Population:
                 }
             set_peak_lr(own["scheduler"], hp["learning_rate"])
             weights = [p.detach().clone() for p in trainer._params]
-            self.members.append(Member(index, dict(hp), weights, own))
+            self.members.append(Member(dict(hp), weights, own))
         self.active: int | None = None
         self.activate(0)
 
@@ -200,8 +199,8 @@ class Population:
         return {
             "step": self.trainer.step,
             "members": [
-                {"index": m.index, "hyperparameters": m.hyperparameters, "fitness": m.fitness}
-                for m in self.members
+                {"index": i, "hyperparameters": m.hyperparameters, "fitness": m.fitness}
+                for i, m in enumerate(self.members)
             ],
         }
 
@@ -214,7 +213,7 @@ class Population:
         acc = self.trainer.accelerator
         tmp = path.with_name(f"{path.name}.tmp-population")  # one name on every process
         if acc.is_main_process:
-            _remove(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
         active = self.active
         for index in range(len(self)):
@@ -230,7 +229,7 @@ class Population:
             _fsync(tmp / MARKER)
             _fsync(tmp)
             if path.exists():
-                _remove(path)
+                shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
             _fsync(path.parent)
         acc.wait_for_everyone()
@@ -260,10 +259,6 @@ class Population:
             load_checkpoint(self.trainer, path / member_dir(index))
             self._store()
         return state
-
-
-def _remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def is_population_checkpoint(path: str | Path) -> bool:

@@ -362,8 +362,6 @@ def train(
                 kl=f"{metrics['kl']:.3g}",
                 s_per_step=f"{metrics['time/step_s']:.0f}",
             )
-        if population is not None:  # the fittest member is evaluated (and exported)
-            population.activate(population.best())
         after = run_eval("after") if config.eval_tasks else None
     finally:  # an engine that holds resources (a vLLM engine, a server's adapter)
         if hasattr(policy, "close"):
