@@ -34,10 +34,19 @@ def run(out: Path, args: str, processes: int, worker: Path = WORKER) -> dict:
     return torch.load(out)
 
 
+DDP_JOBS = "grpo:dapo grpo:grpo sft"
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> tuple[dict, dict]:
+    """Every job of ddp_worker.py on 1 process and on 2, one launch each: ``(one, two)``."""
+    out = tmp_path_factory.mktemp("ddp")
+    return run(out / "one.pt", DDP_JOBS, 1), run(out / "two.pt", DDP_JOBS, 2)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_two_processes_give_the_one_process_update(tmp_path, loss_type):
-    one = run(tmp_path / "one.pt", f"grpo {loss_type}", 1)
-    two = run(tmp_path / "two.pt", f"grpo {loss_type}", 2)
+def test_two_processes_give_the_one_process_update(ddp_runs, loss_type):
+    one, two = (runs[f"grpo:{loss_type}"] for runs in ddp_runs)
     assert two["world"] == 2 and one["world"] == 1
     for key in ("loss", "rewards/mean", "frac_reward_zero_std", "num_sequences"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7)
@@ -47,11 +56,10 @@ def test_two_processes_give_the_one_process_update(tmp_path, loss_type):
         torch.testing.assert_close(two["grads"][name], g, atol=1e-5 * scale + 1e-12, rtol=1e-4)
 
 
-def test_sft_on_uneven_shares_gives_the_one_process_update(tmp_path):
+def test_sft_on_uneven_shares_gives_the_one_process_update(ddp_runs):
     """SFT on 2 processes with 7 and 2 episodes (so different micro-batch counts) finishes
     and gives the gradient, loss and grad norm of one process on all 9."""
-    one = run(tmp_path / "one.pt", "sft", 1)
-    two = run(tmp_path / "two.pt", "sft", 2)
+    one, two = (runs["sft"] for runs in ddp_runs)
     assert (one["world"], two["world"]) == (1, 2)
     for key in ("sft/loss", "sft/policy_tokens", "sft/grad_norm"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4)
@@ -76,21 +84,35 @@ def assert_same_adam_weights(got: dict, want: dict, steps: int, lr: float = 1e-2
     assert off <= max(3, total // 100_000), (off, total)
 
 
-@pytest.mark.parametrize("kind", ["full", "lora_kl"])  # lora_kl: LoRA, plus the KL term
-def test_fsdp2_checkpoints_hold_the_one_process_weights_and_resume(tmp_path, kind):
+FSDP2_KINDS = ("full", "lora_kl")  # lora_kl: LoRA, plus the KL term
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory) -> tuple[dict, dict, Path]:
+    """tests/helpers/fsdp2_trainer.py's every kind, unsharded and on 2 processes (one launch
+    each): ``(one, two, where two's checkpoints are)``."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    kinds = " ".join(FSDP2_KINDS)
+    one = run(out / "one.pt", f"plain {kinds}", 1, FSDP2_TRAINER)
+    two = run(out / "two.pt", f"fsdp2 {kinds}", 2, FSDP2_TRAINER)
+    return one, two, out / "two.pt"
+
+
+@pytest.mark.parametrize("kind", FSDP2_KINDS)
+def test_fsdp2_checkpoints_hold_the_one_process_weights_and_resume(fsdp2_runs, kind):
     """accelerate's FSDP2 on 2 CPU processes (tests/helpers/fsdp2_trainer.py): 2 GRPO steps,
     a checkpoint, a resumed third step. The checkpoint's weights, the weights after the
     resumed step, every step's loss and grad norm and the sampler's greedy tokens equal those
     of one unsharded process on the same batch; the checkpoint also resumes in a plain
     process."""
+    from fsdp2_trainer import checkpoint
     from fsdp2_trainer import config as fsdp2_config
     from toy_episodes import SAMPLING
 
     from agentenv.lm.models import load_tokenizer, tiny_model
     from algorithms.grpo import GRPO
 
-    one = run(tmp_path / "one.pt", f"plain {kind}", 1, FSDP2_TRAINER)
-    two = run(tmp_path / "two.pt", f"fsdp2 {kind}", 2, FSDP2_TRAINER)
+    one, two = fsdp2_runs[0][kind], fsdp2_runs[1][kind]
     assert (one["world"], two["world"]) == (1, 2)
     assert one["keys"] == ["int"] and two["keys"] == ["str"]  # by position / by name
     assert one["steps"] == two["steps"] == [2.0]  # AdamW's state after 2 steps
@@ -116,7 +138,7 @@ def test_fsdp2_checkpoints_hold_the_one_process_weights_and_resume(tmp_path, kin
     tokenizer = load_tokenizer()  # the FSDP2 checkpoint resumes without sharding too
     torch.manual_seed(0)
     plain = GRPO(tiny_model(tokenizer), tokenizer, fsdp2_config(kind), seed=1, sampling=SAMPLING)
-    plain.load(tmp_path / "two.ckpt")
+    plain.load(checkpoint(str(fsdp2_runs[2]), kind))
     assert plain.step == 2
     state = plain.optimizer.state_dict()["state"]
     assert state and all(float(s["step"]) == 2.0 for s in state.values())

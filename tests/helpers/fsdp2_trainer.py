@@ -1,6 +1,6 @@
 """GRPO checkpoints under accelerate's FSDP2. Run as ``torchrun --nproc_per_node 2
-fsdp2_trainer.py OUT fsdp2 KIND``, or as one unsharded process: ``python fsdp2_trainer.py
-OUT plain KIND``.
+fsdp2_trainer.py OUT fsdp2 KIND...``, or as one unsharded process: ``python
+fsdp2_trainer.py OUT plain KIND...`` (each kind in turn, in one launch).
 
 accelerate runs FSDP only on GPUs; on CPU processes its state says MULTI_CPU. Here the
 state is switched to FSDP with an FSDP2 plugin before anything is prepared, so
@@ -13,7 +13,8 @@ Every process builds the same tiny model (argv's kind: ``lora``, ``full`` fine-t
 learns on its share for 2 steps and saves a checkpoint; a second trainer, built with another
 LoRA init, loads it and learns a third step, then samples greedily through
 ``TransformersPolicy``. The main process writes the saved weights, the weights after the
-third step (gathered), each step's metrics and the sampled tokens and log-probs to OUT.
+third step (gathered), each step's metrics and the sampled tokens and log-probs to OUT,
+by kind; a kind's checkpoint is ``OUT`` with the suffix ``.KIND.ckpt``.
 """
 
 import sys
@@ -66,16 +67,30 @@ def whole(algo: GRPO) -> dict[str, torch.Tensor]:
     return {name: weights.whole(p).clone() for name, p in params if p.requires_grad}
 
 
-def main(out: str, mode: str, kind: str) -> None:
-    acc = accelerator(mode)
+def main(out: str, mode: str, *kinds: str) -> None:
     tokenizer = load_tokenizer()
+    results = {}
+    for kind in kinds:  # an accelerator each: one for both left the second model unsharded
+        acc = accelerator(mode)
+        results[kind] = learn(acc, tokenizer, mode, kind, checkpoint(out, kind))
+    if acc.is_main_process:
+        torch.save(results, out)
+    acc.wait_for_everyone()
+
+
+def checkpoint(out: str, kind: str) -> Path:
+    """Where the run writing ``out`` saves its checkpoint of ``kind``."""
+    return Path(out).with_suffix(f".{kind}.ckpt")
+
+
+def learn(acc: Accelerator, tokenizer, mode: str, kind: str, folder: Path) -> dict | None:
+    """One kind's three steps, checkpoint and samples; what the main process saves."""
     use_lora = kind != "full"
     rank, world = acc.process_index, acc.num_processes
     mine = make_groups(TOY_REWARDS)[rank::world]
     algo = trainer(acc, tokenizer, kind, seed=0)
     assert (mode == "fsdp2") == (type(algo._params[0]).__name__ == "DTensor")
     metrics = [algo.learn(mine), algo.learn(mine)]
-    folder = Path(out).with_suffix(".ckpt")
     algo.save(folder)
     resumed = trainer(acc, tokenizer, kind, seed=1)  # another LoRA init: load must win
     resumed.load(folder)
@@ -87,27 +102,20 @@ def main(out: str, mode: str, kind: str) -> None:
     metrics.append(resumed.learn(mine))
     after = whole(resumed)
     sampled = [(g.token_ids, g.sampler_logprobs) for g in policy.generate(PROMPTS, greedy)]
-    if acc.is_main_process:
-        name = "adapter/adapter_model.safetensors" if use_lora else "model/model.safetensors"
-        saved = load_file(str(folder / name))
-        optimizer = torch.load(folder / "optimizer.pt", weights_only=True)["state"]
-        state = {
-            "keys": sorted({type(key).__name__ for key in optimizer}),
-            "steps": sorted({float(s["step"]) for s in optimizer.values()}),
-        }
-        torch.save(
-            {
-                "saved": saved,
-                "after": after,
-                "metrics": metrics,
-                "sampled": sampled,
-                "world": world,
-                **state,
-            },
-            out,
-        )
-    acc.wait_for_everyone()
+    if not acc.is_main_process:
+        return None
+    name = "adapter/adapter_model.safetensors" if use_lora else "model/model.safetensors"
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)["state"]
+    return {
+        "saved": load_file(str(folder / name)),
+        "after": after,
+        "metrics": metrics,
+        "sampled": sampled,
+        "world": world,
+        "keys": sorted({type(key).__name__ for key in optimizer}),
+        "steps": sorted({float(s["step"]) for s in optimizer.values()}),
+    }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "lora")
+    main(sys.argv[1], sys.argv[2], *(sys.argv[3:] or ["lora"]))

@@ -94,7 +94,7 @@ def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_
     timing): episodes may then part at a near tie (tests/helpers/draws.py), and the
     adapters are compared up to the step before the first such parting (those steps
     trained on the same batches). Only the main process writes (one metrics row per
-    step, its own share of the episodes), and the 2-process run resumes on 2 processes."""
+    step, its own share of the episodes). (Resuming on 2 processes: the lost-rank test.)"""
     from safetensors.torch import load_file
 
     one, two = tmp_path / "one", tmp_path / "two"
@@ -134,11 +134,6 @@ def test_two_processes_end_with_the_weights_of_one_on_the_same_batch(tiny_model_
             torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-4)
     assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").open()] == [1, 2]
     assert json.loads((two / "config.json").read_text())["batch_size"] == 4
-
-    proc = launch(2, two, tiny_model_dir, *args, "--steps", "3", "--resume")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").open()] == [1, 2, 3]
-    assert latest_checkpoint(two / "checkpoints").name == "step_000003"
 
 
 def test_sft_on_two_processes_ends_with_its_checkpoint_and_status_0(tiny_model_dir, tmp_path):
