@@ -54,6 +54,20 @@ class SamplingConfig:
 
 
 ENGINES = ("agentenv", "reference", "vllm", "server")
+# The agentenv sampler's fast paths, each a TransformersPolicy keyword that turns it off when
+# False (docs/how-it-works.md#generation: what each does and what it gains). Drafting has
+# its own switch, draft_tokens=0.
+FAST_PATHS = (
+    "pack_weights",  # linear layers pre-packed for oneDNN (CPU)
+    "pack_qkv",  # q, k, v as one packed matrix where that is exact (CPU)
+    "fold_lora",  # float32 LoRA updates folded into the packed weights (CPU)
+    "llama_step",  # Llama's decode step without transformers' per-call work
+    "inplace_attention",  # attention over KV caches that grow in place
+    "share_prefix",  # identical prompts and the common prefix prefilled once
+    "share_slots",  # rows that drew the same tokens decoded as one (CPU)
+    "split_prefill",  # continued rows prefilled in groups of similar length (CPU)
+    "reuse_cache",  # an episode's next turn continues its KV cache
+)
 
 
 @dataclass
@@ -75,6 +89,13 @@ class EngineConfig:
         "agentenv: most tokens drafted from the context (prompt lookup) and verified in one "
         "decode step; exact: each row takes the tokens drawing one at a time gives. None: "
         "4 on a CPU, 0 on a GPU (not measured there); 0: off.",
+    )
+    fast_paths_off: list[str] = option(
+        [],
+        "agentenv: the sampler's fast paths to turn off, by name: "
+        + ", ".join(FAST_PATHS)
+        + " (docs/how-it-works.md#generation); the tokens stay those of drawing one at a "
+        "time, up to float rounding. engine reference turns every one off.",
     )
     vllm_kv_cache_gb: float = option(2.0, "vllm: GiB of KV cache it reserves (CPU: of RAM).")
     vllm_max_model_len: int = option(
@@ -121,6 +142,16 @@ class EngineConfig:
         if self.draft_tokens is not None and self.engine != "agentenv":
             raise InvalidOptionError(
                 f"draft_tokens is the agentenv engine's (its drafted tokens), not engine "
+                f"{self.engine!r}'s; unset it, or use engine agentenv"
+            )
+        unknown = [name for name in self.fast_paths_off if name not in FAST_PATHS]
+        if unknown:
+            raise InvalidOptionError(
+                f"fast_paths_off: unknown fast path(s) {unknown}; the names are {FAST_PATHS}"
+            )
+        if self.fast_paths_off and self.engine != "agentenv":
+            raise InvalidOptionError(
+                f"fast_paths_off names the agentenv engine's fast paths, not engine "
                 f"{self.engine!r}'s; unset it, or use engine agentenv"
             )
         if self.vllm_kv_cache_gb <= 0:

@@ -48,6 +48,8 @@ def decode_logits(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
+    *,
+    direct: bool = True,
 ) -> tuple[torch.Tensor, Any]:
     """Logits ``(b, q, V)`` after each of ``q`` new tokens per row (causal among them),
     and the cache with them appended.
@@ -59,8 +61,10 @@ def decode_logits(
             tokens after it, :mod:`agentenv.lm.drafting`).
         attention_mask: ``(b, L)``: the slots each row attends to, the new tokens' last.
         position_ids: ``(b, q)``: the new tokens' positions in their row.
+        direct: Run :func:`_llama_step` where it computes exactly the model's forward;
+            False: always the model's forward.
     """
-    if _direct(model, cache, input_ids, attention_mask):
+    if direct and _direct(model, cache, input_ids, attention_mask):
         return _llama_step(model, cache, input_ids, attention_mask, position_ids), cache
     return cached_forward(
         model, cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids

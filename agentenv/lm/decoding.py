@@ -38,8 +38,9 @@ looked-up token, against what a longer forward costs (:meth:`Decoder._draft_leng
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,44 @@ from agentenv.lm.backend import Generation, SamplingConfig
 from agentenv.lm.decode_step import decode_logits
 from agentenv.lm.drafting import lookup
 from agentenv.lm.draw import Buffers, has_stop, sample, warpers
+
+
+class DecodingPolicy(Protocol):
+    """What a :class:`Decoder` uses of its policy, and all it uses
+    (:class:`~agentenv.lm.sampler.TransformersPolicy` is one)."""
+
+    model: torch.nn.Module  # the sampling copy the decode steps run
+    tokenizer: Any  # decodes tokens for the stop strings
+    device: torch.device
+    stop_token_ids: list[int]
+    pad_token_id: int
+    share_slots: bool  # rows that drew the same tokens share a slot
+    draft_tokens: int  # most tokens drafted a step (0: none)
+    llama_step: bool  # decode_logits may run its direct Llama step
+    decoded_rows: int  # counters the decoder adds to
+    decoded_slots: int
+    decoded_tokens: int
+
+    def decoding(self) -> AbstractContextManager[None]:
+        """The context every model call of the decoder runs in."""
+        ...
+
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], *, keep_saved: bool = False
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """KV cache, mask ``(u, L)``, next-token logits ``(u, V)``, next positions ``(u,)``
+        of the distinct prompts, and each prompt's row among them."""
+        ...
+
+    def save(
+        self, cache: Any, j: int, mask: torch.Tensor, key: tuple[int, ...], rows: int = 1
+    ) -> None:
+        """Keep row ``j``'s KV cache for the continuation of ``key`` by ``rows`` rows."""
+        ...
+
+    def may_end(self, token: int, finals: frozenset[str] | None) -> bool:
+        """False if ``token`` cannot complete a stop string."""
+        ...
 
 
 @dataclass
@@ -66,7 +105,7 @@ class Decoder:
     """Rows decoded together, one token per row per :meth:`step` (see the module docstring).
 
     Args:
-        policy: The :class:`~agentenv.lm.sampler.TransformersPolicy` (model, tokenizer,
+        policy: What it decodes with (:class:`DecodingPolicy`: the model, tokenizer,
             stop tokens, the prefill and the saved KV caches).
         sampling: How every row samples; ``max_new_tokens`` is the most a row may take.
         keep_saved: Keep saved KV caches that this decoder's rows do not continue (the
@@ -80,7 +119,7 @@ class Decoder:
 
     def __init__(
         self,
-        policy: Any,
+        policy: DecodingPolicy,
         sampling: SamplingConfig,
         *,
         keep_saved: bool = True,
@@ -288,6 +327,7 @@ class Decoder:
             ids.to(policy.device),
             self._mask.to(policy.device),
             positions.to(policy.device),
+            direct=policy.llama_step,
         )
         self._next_pos, self._width = self._next_pos + 1, width
         return out

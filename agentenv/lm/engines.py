@@ -104,7 +104,10 @@ def make_policy(
     if engine == "agentenv":
         from agentenv.lm.sampler import TransformersPolicy
 
-        return TransformersPolicy(model, tokenizer, dtype=compute, draft_tokens=config.draft_tokens)
+        off = dict.fromkeys(config.fast_paths_off, False)
+        return TransformersPolicy(
+            model, tokenizer, dtype=compute, draft_tokens=config.draft_tokens, **off
+        )
     if config.engine == "server":
         from agentenv.lm.server_engine import ServerPolicy
 

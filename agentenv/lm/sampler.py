@@ -100,6 +100,23 @@ class TransformersPolicy:
             how often rows drew the looked-up token (``Decoder._draft_length``); caches
             of full-attention layers only. None: 4 on a CPU, 0 on a GPU (not measured
             there).
+        pack_weights: On a CPU, run the sampling copy's linear layers from weights
+            pre-packed for oneDNN (:func:`~agentenv.lm.weights.packs_linears`); off: plain
+            ``F.linear``, and neither of the next two.
+        pack_qkv: Give each attention layer its q, k, v projections as one packed matrix
+            where that computes them bit for bit (:class:`~agentenv.lm.weights.PackedConcat`).
+        fold_lora: In float32, fold LoRA updates into the packed weights (off: the update
+            runs unmerged beside them, as in bfloat16).
+        llama_step: Decode Llama-architecture models with
+            :mod:`agentenv.lm.decode_step` (bitwise the model's logits, without
+            transformers' per-call work); off: the model's forward.
+        inplace_attention: Decode over KV caches that grow in place, with the attention
+            of :func:`~agentenv.lm.attention.sampler_attention` (grouped matmuls on a CPU
+            in bfloat16); off: the model's own attention and transformers' cache.
+
+    Every fast path switch above (and ``draft_tokens=0``) keeps the tokens those of
+    drawing one at a time, up to float rounding: tests/agentenv/lm/test_fast_paths.py
+    holds each one, turned off, to the reference path (:mod:`agentenv.lm.reference`).
 
     Attributes:
         prefill_s: Seconds spent prefilling since construction (prompts, and the
@@ -126,9 +143,16 @@ class TransformersPolicy:
         split_prefill: bool | None = None,
         share_slots: bool | None = None,
         draft_tokens: int | None = None,
+        pack_weights: bool = True,
+        pack_qkv: bool = True,
+        fold_lora: bool = True,
+        llama_step: bool = True,
+        inplace_attention: bool = True,
     ):
         limit_onednn_cache()  # before the sampling copy's first bfloat16 product
         self.trained = model
+        self.llama_step = llama_step
+        self.inplace_attention = inplace_attention
         self.reuse_cache = reuse_cache
         self._saved: dict[tuple[int, ...], list[Any]] = {}
         self._saved_by: dict[tuple[int, ...], int] = {}  # rows that left each saved cache
@@ -150,7 +174,9 @@ class TransformersPolicy:
         self.draft_tokens = draft_tokens
         self.stop_token_ids, self.pad_token_id = stop_and_pad_ids(model, tokenizer, stop_token_ids)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
-        self.model = sampling_copy(model, self.dtype, self.device)  # what we sample from
+        self.model = sampling_copy(  # what we sample from
+            model, self.dtype, self.device, pack=pack_weights, pack_qkv=pack_qkv, fold=fold_lora
+        )
         self._version = trainable_version(self._trainable)
         self.prefill_s, self.prefill_tokens = 0.0, 0
         self.decoded_rows = self.decoded_slots = self.decoded_tokens = 0
@@ -240,7 +266,7 @@ class TransformersPolicy:
         code inside this context may use them."""
         config = self.model.config
         attention = config._attn_implementation
-        chosen = sampler_attention(self.model, self.dtype)
+        chosen = sampler_attention(self.model, self.dtype) if self.inplace_attention else None
         if chosen is not None:
             config._attn_implementation = chosen
         head = self.model.get_output_embeddings()

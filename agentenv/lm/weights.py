@@ -109,12 +109,20 @@ def trainable_version(params: Sequence[torch.Tensor]) -> int:
 
 
 def sampling_copy(
-    trained: torch.nn.Module, dtype: torch.dtype, device: torch.device
+    trained: torch.nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    pack: bool = True,
+    pack_qkv: bool = True,
+    fold: bool = True,
 ) -> torch.nn.Module:
     """The model sampled from: ``trained`` as a plain model in ``dtype`` (see the module
-    docstring), or ``trained`` itself when it already is one and packing does not pay."""
+    docstring), or ``trained`` itself when it already is one and packing does not pay.
+    ``pack``, ``pack_qkv``, ``fold``: :func:`_pack_linears`'s steps, each where it applies
+    (False: not at all)."""
     sharded = check_sharding(trained)
-    pack = packs_linears(device, dtype)
+    pack = pack and packs_linears(device, dtype)
     param = next(trained.parameters())
     if not (sharded or is_peft(trained) or param.dtype != dtype or pack):
         return trained  # already what we sample from: share it
@@ -136,7 +144,7 @@ def sampling_copy(
             if id(p) not in shared:
                 p.requires_grad_(False)
     if pack:
-        _pack_linears(model)
+        _pack_linears(model, qkv=pack_qkv, fold=fold)
     return model
 
 
@@ -468,17 +476,18 @@ class PackedConcat(torch.nn.Module):
         return verdict
 
 
-def _pack_linears(model: torch.nn.Module) -> None:
+def _pack_linears(model: torch.nn.Module, *, qkv: bool = True, fold: bool = True) -> None:
     """Replace every plain ``nn.Linear`` of ``model`` (the sampling copy) with a
     :class:`_PackedLinear` of the same weights (a LoRA layer's base layer included), give
     each attention layer a :class:`PackedConcat` of its q, k, v projections (``packed_qkv``;
-    a LoRA layer's base layer: its unmerged update is added by the caller), and fold
-    float32 LoRA updates into the packed weights (:meth:`_LoRALinear.fold`)."""
+    a LoRA layer's base layer: its unmerged update is added by the caller) if ``qkv``, and
+    fold float32 LoRA updates into the packed weights (:meth:`_LoRALinear.fold`) if
+    ``fold``."""
     for name, module in list(model.named_modules()):
         if type(module) is torch.nn.Linear:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, _PackedLinear(module))
-    for module in list(model.modules()):  # attention layers: q, k, v also packed as one
+    for module in list(model.modules()) if qkv else []:  # attention layers: q, k, v as one
         layers = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         layers = [getattr(x, "base_layer", x) if type(x) is _LoRALinear else x for x in layers]
         if not all(type(layer) is _PackedLinear for layer in layers):
@@ -486,7 +495,7 @@ def _pack_linears(model: torch.nn.Module) -> None:
         one_input = len({layer.in_features for layer in layers}) == 1
         if one_input and len({layer.bias is None for layer in layers}) == 1:
             module.packed_qkv = PackedConcat(layers)
-    for module in model.modules():
+    for module in model.modules() if fold else []:
         base = getattr(module, "base_layer", None)  # packed (not GPT-2's Conv1D), float32
         packed32 = isinstance(base, _PackedLinear) and base.weight.dtype == torch.float32
         if isinstance(module, _LoRALinear) and packed32:

@@ -684,7 +684,7 @@ def test_rows_of_a_model_with_sliding_windows_keep_a_slot_each(tokenizer, monkey
     monkeypatch.setattr(
         decoding,
         "decode_logits",
-        lambda m, c, ids, *a: widths.append(ids.shape[1]) or step(m, c, ids, *a),
+        lambda m, c, ids, *a, **k: widths.append(ids.shape[1]) or step(m, c, ids, *a, **k),
     )
     got = policy.generate([first] * 3, PARTING, seeds=[0, 1, 2])
     assert policy.decoded_slots == policy.decoded_rows > 0

@@ -1,0 +1,157 @@
+"""Each fast path of the sampler, turned off by its own switch, against the reference path.
+
+A LoRA model with a live adapter decodes two turns of an episode per row, in float32: a
+group's two rows share each prompt (the shared prefix and slots), the second turn extends
+the first (the continued cache), after environment replies of different lengths (the split
+prefill). With any one switch off, the sampler must still draw what the reference path
+draws (``assert_same_draws``: the same tokens wherever rounding cannot flip a draw), and
+the switch must take effect (each case's ``probe``), on whatever CPU runs the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from draws import assert_same_draws
+
+import agentenv.lm.decode_step as decode_step
+import agentenv.lm.sampler as sampler_module
+from agentenv.errors import InvalidOptionError
+from agentenv.lm.backend import FAST_PATHS, EngineConfig, SamplingConfig
+from agentenv.lm.reference import ReferencePolicy
+from agentenv.lm.sampler import TransformersPolicy
+from agentenv.lm.weights import PackedConcat, _LoRALinear, _PackedLinear, packs_linears
+
+SAMPLED = SamplingConfig(max_new_tokens=8, temperature=1.0, top_k=50, top_p=0.9, stop_strings=[])
+SEEDS = [21, 22, 23, 24]
+REPLIES = ["Result: 4", "Error: the tool 'search' takes a query; here is a much longer reply."]
+
+
+def lora_policy_model(sharp_model):
+    """A copy of the (module-wide) sharp model with a LoRA adapter whose B is not zero."""
+    import copy
+
+    from algorithms.lora import apply_lora
+
+    model = apply_lora(copy.deepcopy(sharp_model), 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], 0)
+    with torch.no_grad():  # LoRA B starts at 0: give the adapter a say
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    return model
+
+
+def first_prompts(tokenizer) -> list[list[int]]:
+    """Two groups of two rows: each group's rows share their prompt."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 4}
+    out = []
+    for user in ("2 + 2?", "Spell 'calculator' backwards please."):
+        messages = [system, {"role": "user", "content": user}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out += [ids["input_ids"]] * 2
+    return out
+
+
+def next_prompts(tokenizer, prompts, turns) -> list[list[int]]:
+    """Each row's episode so far plus an environment reply (short or long, by row)."""
+    out = []
+    for i, (prompt, turn) in enumerate(zip(prompts, turns, strict=True)):
+        reply = f"<|im_end|>\n<|im_start|>user\n{REPLIES[i % 2]}<|im_end|>\n<|im_start|>assistant\n"
+        out.append(prompt + turn.token_ids + tokenizer.encode(reply))
+    return out
+
+
+def forbid(monkeypatch, module, name: str) -> None:
+    """Make ``module.name`` fail the test if it is called."""
+
+    def called(*args, **kwargs):
+        raise AssertionError(f"{name} ran with its fast path off")
+
+    monkeypatch.setattr(module, name, called)
+
+
+# switch -> (what makes a run with it off fail if the path still ran, a check afterwards)
+def probe(name: str, monkeypatch):
+    if name == "llama_step":
+        forbid(monkeypatch, decode_step, "_llama_step")
+    elif name == "inplace_attention":
+        forbid(monkeypatch, sampler_module, "sampler_attention")
+    elif name == "split_prefill":
+        forbid(monkeypatch, sampler_module, "length_groups")
+
+    def after(policy: TransformersPolicy) -> None:
+        modules = list(policy.model.modules())
+        if name == "pack_weights":
+            assert not any(isinstance(m, _PackedLinear) for m in modules)
+        elif name == "pack_qkv":
+            assert not any(
+                isinstance(getattr(m, "packed_qkv", None), PackedConcat) for m in modules
+            )
+        elif name == "fold_lora":
+            lora = [m for m in modules if isinstance(m, _LoRALinear)]
+            assert lora and not any(m.folded for m in lora)
+        elif name == "share_slots":
+            assert policy.decoded_slots == policy.decoded_rows
+        elif name == "reuse_cache":
+            assert policy._saved == {}
+        elif name == "draft_tokens":
+            assert policy.decoded_tokens == policy.decoded_rows
+
+    return after
+
+
+@pytest.mark.parametrize("name", [*FAST_PATHS, "draft_tokens"])
+def test_each_fast_path_off_draws_what_the_reference_draws(
+    name, sharp_model, tokenizer, monkeypatch
+):
+    model = lora_policy_model(sharp_model)
+    after = probe(name, monkeypatch)
+    off = {name: 0 if name == "draft_tokens" else False}
+    fast = TransformersPolicy(model, tokenizer, dtype="float32", **off)
+    ref = ReferencePolicy(model, tokenizer, dtype="float32")
+    prompts = first_prompts(tokenizer)
+    for turn in (1, 2):
+        seeds = [s + 100 * turn for s in SEEDS]
+        got = fast.generate(prompts, SAMPLED, seeds=seeds)
+        want = ref.generate(prompts, SAMPLED, seeds=seeds)
+        assert_same_draws(got, want, model=model, prompts=prompts, sampling=SAMPLED, seeds=seeds)
+        prompts = next_prompts(tokenizer, prompts, want)
+    after(fast)
+
+
+def test_every_fast_path_runs_by_default_on_this_cpu(sharp_model, tokenizer):
+    """The probes above can fail: with nothing off, each path they look for is there."""
+    model = lora_policy_model(sharp_model)
+    policy = TransformersPolicy(model, tokenizer, dtype="float32")
+    prompts = first_prompts(tokenizer)
+    policy.generate(prompts, SAMPLED, seeds=SEEDS)
+    assert policy._saved  # continued turns: caches kept
+    assert policy.decoded_slots < policy.decoded_rows  # a group's rows share a slot
+    modules = list(policy.model.modules())
+    if packs_linears("cpu", torch.float32):
+        assert any(isinstance(m, _PackedLinear) for m in modules)
+        assert any(m.folded for m in modules if isinstance(m, _LoRALinear))
+
+
+def test_unknown_or_misplaced_fast_path_names_are_refused_with_the_names():
+    with pytest.raises(InvalidOptionError, match="unknown fast path.*'packed'.*pack_weights"):
+        EngineConfig(fast_paths_off=["packed"])
+    with pytest.raises(InvalidOptionError, match="engine 'vllm'"):
+        EngineConfig(engine="vllm", fast_paths_off=["llama_step"])
+    assert EngineConfig(fast_paths_off=list(FAST_PATHS)).fast_paths_off == list(FAST_PATHS)
+
+
+def test_make_policy_passes_the_switches_to_the_sampler(tiny_model, tokenizer):
+    from agentenv.lm.engines import make_policy
+
+    config = EngineConfig(fast_paths_off=["share_slots", "pack_weights"])
+    policy = make_policy(config, tiny_model, tokenizer, model_name="tiny", dtype="float32")
+    assert isinstance(policy, TransformersPolicy) and not policy.share_slots
+    assert not any(isinstance(m, _PackedLinear) for m in policy.model.modules())
+
+
+def test_the_cli_flag_reaches_the_generation_config():
+    from agentenv.cli import _train_config, build_parser
+
+    args = build_parser().parse_args(["train", "--fast-paths-off", "share_slots", "llama_step"])
+    assert _train_config(args).generation.fast_paths_off == ["share_slots", "llama_step"]
