@@ -99,23 +99,30 @@ def _write_atomically(path: Path, write: Callable[[Path], None], marker: dict[st
     tmp.mkdir(parents=True)
     try:
         write(tmp)
-        for root, _, files in os.walk(tmp):
-            for name in files:
-                _fsync(Path(root) / name)
-            _fsync(Path(root))
-        (tmp / MARKER).write_text(json.dumps(marker))
-        _fsync(tmp / MARKER)
-        _fsync(tmp)
-        if path.exists():  # re-saving the same step: move the old one aside first
-            old = path.with_name(f"{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        _fsync(path.parent)
+        publish(tmp, path, marker)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed
+
+
+def publish(tmp: Path, path: Path, marker: dict[str, Any]) -> None:
+    """Make the written folder ``tmp`` the checkpoint ``path``: fsync its files, write the
+    completion marker, rename. A checkpoint already at ``path`` (the same step saved again)
+    is moved aside first and removed after, so ``path`` always holds a complete one."""
+    for root, _, files in os.walk(tmp):
+        for name in files:
+            _fsync(Path(root) / name)
+        _fsync(Path(root))
+    (tmp / MARKER).write_text(json.dumps(marker))
+    _fsync(tmp / MARKER)
+    _fsync(tmp)
+    if path.exists():  # re-saving the same step: move the old one aside first
+        old = path.with_name(f"{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +38,9 @@ import torch
 from agentenv.errors import InvalidOptionError
 from algorithms.checkpoint import (
     MARKER,
-    _fsync,
     checkpoint_step,
     load_checkpoint,
+    publish,
     save_checkpoint,
 )
 from algorithms.config import HYPERPARAMETERS
@@ -224,14 +223,7 @@ class Population:
         if acc.is_main_process:
             state = {**self.state(), **(extra or {})}
             (tmp / POPULATION_FILE).write_text(json.dumps(state, indent=2))
-            _fsync(tmp / POPULATION_FILE)
-            (tmp / MARKER).write_text(json.dumps({"step": self.trainer.step}))
-            _fsync(tmp / MARKER)
-            _fsync(tmp)
-            if path.exists():
-                shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-            _fsync(path.parent)
+            publish(tmp, path, {"step": self.trainer.step})
         acc.wait_for_everyone()
         return path
 
