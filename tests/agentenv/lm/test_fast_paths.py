@@ -15,6 +15,7 @@ import torch
 from draws import assert_same_draws
 
 import agentenv.lm.decode_step as decode_step
+import agentenv.lm.decoding as decoding
 import agentenv.lm.sampler as sampler_module
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.backend import FAST_PATHS, EngineConfig, SamplingConfig
@@ -27,18 +28,32 @@ SEEDS = [21, 22, 23, 24]
 REPLIES = ["Result: 4", "Error: the tool 'search' takes a query; here is a much longer reply."]
 
 
-def lora_policy_model(sharp_model):
-    """A copy of the (module-wide) sharp model with a LoRA adapter whose B is not zero."""
+@pytest.fixture(scope="module")
+def lora_model(sharp_model):
+    """A copy of the sharp model with a LoRA adapter whose B is not zero (the module's)."""
     import copy
 
     from algorithms.lora import apply_lora
 
     model = apply_lora(copy.deepcopy(sharp_model), 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], 0)
+    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # LoRA B starts at 0: give the adapter a say
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.3)
+                param.normal_(0, 0.3, generator=generator)
     return model
+
+
+@pytest.fixture(scope="module")
+def reference_turns(lora_model, tokenizer):
+    """The reference path's two turns: ``[(prompts, seeds, generations)] * 2``."""
+    ref = ReferencePolicy(lora_model, tokenizer, dtype="float32")
+    prompts, turns = first_prompts(tokenizer), []
+    for turn in (1, 2):
+        seeds = [s + 100 * turn for s in SEEDS]
+        turns.append((prompts, seeds, ref.generate(prompts, SAMPLED, seeds=seeds)))
+        prompts = next_prompts(tokenizer, prompts, turns[-1][2])
+    return turns
 
 
 def first_prompts(tokenizer) -> list[list[int]]:
@@ -61,6 +76,15 @@ def next_prompts(tokenizer, prompts, turns) -> list[list[int]]:
     return out
 
 
+# the function each switch's path runs through, where it has one
+ENTRIES = {
+    "llama_step": (decode_step, "_llama_step"),
+    "inplace_attention": (sampler_module, "sampler_attention"),
+    "split_prefill": (sampler_module, "length_groups"),
+    "draft_tokens": (decoding, "lookup"),
+}
+
+
 def forbid(monkeypatch, module, name: str) -> None:
     """Make ``module.name`` fail the test if it is called."""
 
@@ -70,14 +94,22 @@ def forbid(monkeypatch, module, name: str) -> None:
     monkeypatch.setattr(module, name, called)
 
 
+def count(monkeypatch, module, name: str) -> list[int]:
+    """Count the calls of ``module.name``: ``[calls]``."""
+    calls, real = [0], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 # switch -> (what makes a run with it off fail if the path still ran, a check afterwards)
 def probe(name: str, monkeypatch):
-    if name == "llama_step":
-        forbid(monkeypatch, decode_step, "_llama_step")
-    elif name == "inplace_attention":
-        forbid(monkeypatch, sampler_module, "sampler_attention")
-    elif name == "split_prefill":
-        forbid(monkeypatch, sampler_module, "length_groups")
+    if name in ENTRIES:
+        forbid(monkeypatch, *ENTRIES[name])
 
     def after(policy: TransformersPolicy) -> None:
         modules = list(policy.model.modules())
@@ -94,39 +126,39 @@ def probe(name: str, monkeypatch):
             assert policy.decoded_slots == policy.decoded_rows
         elif name == "reuse_cache":
             assert policy._saved == {}
-        elif name == "draft_tokens":
-            assert policy.decoded_tokens == policy.decoded_rows
 
     return after
 
 
 @pytest.mark.parametrize("name", [*FAST_PATHS, "draft_tokens"])
 def test_each_fast_path_off_draws_what_the_reference_draws(
-    name, sharp_model, tokenizer, monkeypatch
+    name, lora_model, reference_turns, tokenizer, monkeypatch
 ):
-    model = lora_policy_model(sharp_model)
     after = probe(name, monkeypatch)
     off = {name: 0 if name == "draft_tokens" else False}
-    fast = TransformersPolicy(model, tokenizer, dtype="float32", **off)
-    ref = ReferencePolicy(model, tokenizer, dtype="float32")
-    prompts = first_prompts(tokenizer)
-    for turn in (1, 2):
-        seeds = [s + 100 * turn for s in SEEDS]
+    fast = TransformersPolicy(lora_model, tokenizer, dtype="float32", **off)
+    for prompts, seeds, want in reference_turns:  # the second continues the first
         got = fast.generate(prompts, SAMPLED, seeds=seeds)
-        want = ref.generate(prompts, SAMPLED, seeds=seeds)
-        assert_same_draws(got, want, model=model, prompts=prompts, sampling=SAMPLED, seeds=seeds)
-        prompts = next_prompts(tokenizer, prompts, want)
+        assert_same_draws(
+            got, want, model=lora_model, prompts=prompts, sampling=SAMPLED, seeds=seeds
+        )
     after(fast)
 
 
-def test_every_fast_path_runs_by_default_on_this_cpu(sharp_model, tokenizer):
+def test_every_fast_path_runs_by_default_on_this_cpu(
+    lora_model, reference_turns, tokenizer, monkeypatch
+):
     """The probes above can fail: with nothing off, each path they look for is there."""
-    model = lora_policy_model(sharp_model)
-    policy = TransformersPolicy(model, tokenizer, dtype="float32")
-    prompts = first_prompts(tokenizer)
-    policy.generate(prompts, SAMPLED, seeds=SEEDS)
+    calls = {name: count(monkeypatch, *entry) for name, entry in ENTRIES.items()}
+    policy = TransformersPolicy(lora_model, tokenizer, dtype="float32")
+    for prompts, seeds, want in reference_turns:
+        got = policy.generate(prompts, SAMPLED, seeds=seeds)
+        assert_same_draws(
+            got, want, model=lora_model, prompts=prompts, sampling=SAMPLED, seeds=seeds
+        )
     assert policy._saved  # continued turns: caches kept
     assert policy.decoded_slots < policy.decoded_rows  # a group's rows share a slot
+    assert {name: n[0] > 0 for name, n in calls.items()} == dict.fromkeys(ENTRIES, True)
     modules = list(policy.model.modules())
     if packs_linears("cpu", torch.float32):
         assert any(isinstance(m, _PackedLinear) for m in modules)
