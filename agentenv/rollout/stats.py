@@ -6,7 +6,9 @@ Calls are counted from the env's ``info["num_tool_calls"]`` at the episode's end
 :class:`~agentenv.env.core.ToolEnv` reports it); an env that does not report it counts 0.
 Retrieval is read from ``info["search_gold_hits"]`` (per search, the gold articles it
 returned) and ``info["gold_retrieved"]`` (per gold article in hop order, found or not),
-which RAG-v0 reports; episodes without them are left out of those rates.
+which RAG-v0 reports; lookups from ``info["prices_found"]`` (per item asked, its price
+returned yet), which Calculator-v0's ``prices`` source reports. Episodes without them
+are left out of those rates.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ def tool_call_stats(episodes: Sequence[Any]) -> dict[str, float]:
 def retrieval_stats(episodes: Sequence[Any]) -> dict[str, float]:
     """``requery_after_miss_rate``: of the episodes whose first search returned no gold
     article, the share that searched again; ``second_hop_recall``: of the episodes with
-    two or more gold articles (bridge questions), the share that retrieved the second.
-    Each only where some episode reports what it needs ({} otherwise)."""
+    two or more gold articles (bridge questions), the share that retrieved the second;
+    ``prices_found_rate``: of the episodes that looked prices up, the share whose lookups
+    returned every asked item's price. Each only where some episode reports what it
+    needs ({} otherwise)."""
     out = {}
     missed = [
         e.info["search_gold_hits"]
@@ -51,4 +55,7 @@ def retrieval_stats(episodes: Sequence[Any]) -> dict[str, float]:
     ]
     if hops:
         out["second_hop_recall"] = sum(bool(found[1]) for found in hops) / len(hops)
+    found = [e.info["prices_found"] for e in episodes if e.info.get("prices_found")]
+    if found:
+        out["prices_found_rate"] = sum(all(f) for f in found) / len(found)
     return out

@@ -19,6 +19,7 @@ PLOTS: dict[str, tuple[str, ...]] = {
         "rollout/second_call_rate",
         "rollout/requery_after_miss_rate",
         "rollout/second_hop_recall",
+        "rollout/prices_found_rate",
     ),
     "critic": ("critic/value_loss", "critic/explained_variance"),
 }

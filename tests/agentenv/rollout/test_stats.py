@@ -37,3 +37,16 @@ def test_retrieval_stats_by_hand():
     stats = retrieval_stats([SimpleNamespace(info=i) for i in infos])
     assert stats == pytest.approx({"requery_after_miss_rate": 1 / 2, "second_hop_recall": 1 / 3})
     assert retrieval_stats([SimpleNamespace(info={})]) == {}
+
+
+def test_prices_found_rate_by_hand():
+    from agentenv.rollout.stats import retrieval_stats
+
+    infos = [
+        {"prices_found": [True, True]},
+        {"prices_found": [True, False]},  # one lookup missed and was not repeated
+        {"prices_found": [False, False]},
+        {"search_gold_hits": [1], "gold_retrieved": [True]},  # a search env: not counted
+    ]
+    stats = retrieval_stats([SimpleNamespace(info=i) for i in infos])
+    assert stats == pytest.approx({"prices_found_rate": 1 / 3})
