@@ -316,7 +316,7 @@ def _print_learning_signal(run_dir: str | Path) -> None:
         verdict = "more" if gain > 2 * se else "NOT more"
         print(
             f"Held-out accuracy gain of GRPO over its SFT warm start: {gain:+.3f} ± {se:.3f} "
-            f"(paired stderr): {verdict} than 2 standard errors. README 'Reproduce' has the "
+            f"(paired stderr): {verdict} than 2 standard errors. docs/reproduce.md has the "
             "longer recipe (200 test tasks)."
         )
 
@@ -339,7 +339,7 @@ def _dtype_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None
         "--dtype",
         default=default,
         choices=DTYPES,
-        help="compute dtype; auto: bfloat16 on GPUs and on CPUs with native bf16, else float32",
+        help="compute dtype; auto: bfloat16 on GPUs and CPUs with native bf16, else float32",
     )
 
 

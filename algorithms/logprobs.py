@@ -221,7 +221,10 @@ def _logits_logprobs(
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a second forward call
 TREE_BELOW = 0.75  # run a prefix tree where it holds at most this share of the tokens
 # the rows' common prefix alone leaves (not tuned: rows that share only a prompt make a
-# tree of ~1.0, a RAG-v0 group's ~0.27, a quickstart group's ~0.5)
+# tree of ~1.0, a RAG-v0 group's ~0.27, a quickstart group's ~0.5). One value for every
+# device, by choice: on an H200 a RAG micro-batch ran 0.37 s as a tree against 0.27 s as
+# rows, but in a quarter of the memory (2.5 vs 9.5 GB; docs/benchmarks.md, "On a GPU"),
+# so a GPU keeps the tree too (micro_batch_tokens is the threshold chosen per device)
 
 
 def tree_attention_applies(model: torch.nn.Module) -> bool:

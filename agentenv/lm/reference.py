@@ -13,9 +13,9 @@ log-probs equal to rounding (tests/agentenv/lm/test_reference.py).
 It keeps no KV cache between calls: an episode's next turn (the same prompt extended)
 is prefilled whole, which gives the tokens a continued cache would. Finished rows stay in
 the batch (fed padding) until the last row ends. That is all: it is slower than the
-fast sampler (by how much is not measured yet) and is there to read, to trust, to compare
-against, and to fall back to (``--engine reference``; :func:`agentenv.lm.engines.make_policy`
-picks it when the fast sampler cannot run here).
+fast sampler (docs/benchmarks.md, "the reference decoding path") and is there to read, to
+trust, to compare against, and to fall back to (``--engine reference``;
+:func:`agentenv.lm.engines.make_policy` picks it when the fast sampler cannot run here).
 """
 
 from __future__ import annotations

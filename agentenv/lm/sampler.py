@@ -52,20 +52,43 @@ static cache (``python benchmarks/generation.py``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from transformers.models.llama import modeling_llama as llama
 
 from agentenv.errors import InvalidOptionError
-from agentenv.lm.attention import append_cache, cached_forward, sampler_attention
-from agentenv.lm.backend import Generation, SamplingConfig, check_batch, stop_and_pad_ids
+from agentenv.lm.attention import (
+    CACHE_ATTENTION,
+    CPU_BF16_ATTENTION,
+    append_cache,
+    cached_forward,
+    sampler_attention,
+)
+from agentenv.lm.backend import (
+    FAST_PATHS,
+    Generation,
+    SamplingConfig,
+    check_batch,
+    stop_and_pad_ids,
+)
 from agentenv.lm.decoding import Decoder, drain, merge_caches, plain_layers
 from agentenv.lm.models import limit_onednn_cache
 from agentenv.lm.precision import resolve_dtype
-from agentenv.lm.weights import release_packed, sampling_copy, sync_weights, trainable_version
+from agentenv.lm.weights import (
+    is_peft,
+    release_packed,
+    sampling_copy,
+    sync_weights,
+    trainable_version,
+    why_not_packed,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class TransformersPolicy:
@@ -129,6 +152,9 @@ class TransformersPolicy:
             same share one (:mod:`agentenv.lm.decoding`).
         decoded_tokens: Tokens those rows drew: more than ``decoded_rows`` where drafts
             were taken.
+        fast_paths: Each fast path's name -> None where it runs, else why not
+            (:func:`fast_path_status`); said in one log line at construction, a warning
+            where a precondition turned one off (``fast_paths_missing``).
     """
 
     def __init__(
@@ -180,6 +206,21 @@ class TransformersPolicy:
         self._version = trainable_version(self._trainable)
         self.prefill_s, self.prefill_tokens = 0.0, 0
         self.decoded_rows = self.decoded_slots = self.decoded_tokens = 0
+        switches = {
+            "pack_weights": pack_weights,
+            "pack_qkv": pack_qkv,
+            "fold_lora": fold_lora,
+            "llama_step": llama_step,
+            "inplace_attention": inplace_attention,
+            "share_prefix": share_prefix,
+            "share_slots": self.share_slots,
+            "split_prefill": self.split_prefill,
+            "reuse_cache": reuse_cache,
+        }
+        self.fast_paths, self.fast_paths_missing = fast_path_status(
+            self.model, model, self.dtype, self.device, switches, draft_tokens
+        )
+        _log_fast_paths(self.fast_paths, self.fast_paths_missing)
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -491,3 +532,63 @@ def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
             k += 1
         length = k
     return length
+
+
+def fast_path_status(
+    sampled: torch.nn.Module,
+    trained: torch.nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    switches: dict[str, bool],
+    draft_tokens: int,
+) -> tuple[dict[str, str | None], dict[str, str]]:
+    """Which fast paths (:data:`~agentenv.lm.backend.FAST_PATHS`, and ``draft_tokens``)
+    a :class:`TransformersPolicy` runs: ``{name: None}`` for a path that runs, else why it
+    does not. The second dict holds the paths off for a precondition this model or torch
+    build fails (no oneDNN, another architecture, another attention), not by a switch or
+    by design on this device: the reference path's code runs in their place."""
+    status: dict[str, str | None] = {}
+    missing: dict[str, str] = {}
+    attention = getattr(getattr(sampled, "config", None), "_attn_implementation", None)
+    own_attention = attention not in ("sdpa", CPU_BF16_ATTENTION, CACHE_ATTENTION)
+    for name in FAST_PATHS:
+        if not switches[name]:
+            by_device = name in ("share_slots", "split_prefill") and device.type != "cpu"
+            status[name] = "off by default on a GPU" if by_device else "switched off"
+            continue
+        why, failed = None, False
+        if name == "pack_weights":
+            why = why_not_packed(device, dtype)
+            failed = why is not None and device.type == "cpu" and "oneDNN" in why
+        elif name in ("pack_qkv", "fold_lora") and status["pack_weights"] is not None:
+            why = "needs pack_weights"
+        elif name == "fold_lora" and dtype != torch.float32:
+            why = "float32 only (in bfloat16 the update would round away)"
+        elif name == "fold_lora" and not is_peft(trained):
+            why = "no LoRA adapter"
+        elif name == "inplace_attention" and own_attention:
+            why, failed = f"the model's attention is {attention!r}, not SDPA", True
+        elif name == "llama_step" and type(sampled) is not llama.LlamaForCausalLM:
+            why, failed = f"{type(sampled).__name__} is not a Llama model", True
+        elif name == "llama_step" and not switches["inplace_attention"]:
+            why = "needs inplace_attention"
+        status[name] = why
+        if failed:
+            missing[name] = why
+    status["drafting"] = None if draft_tokens > 0 else "draft_tokens=0"
+    return status, missing
+
+
+def _log_fast_paths(status: dict[str, str | None], missing: dict[str, str]) -> None:
+    """One log line: a warning naming the paths a precondition turned off (the plain
+    code runs instead), else which paths run (info)."""
+    off = "; ".join(f"{name} ({why})" for name, why in status.items() if why is not None)
+    if missing:
+        logger.warning(
+            "sampler: fast paths off here, the plain code runs in their place: %s "
+            "(docs/how-it-works.md#generation)",
+            "; ".join(f"{name}: {why}" for name, why in missing.items()),
+        )
+    else:
+        on = ", ".join(name for name, why in status.items() if why is None)
+        logger.info("sampler: fast paths on: %s; off: %s", on or "none", off or "none")

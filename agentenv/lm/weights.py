@@ -318,13 +318,25 @@ def _onednn_bf16() -> bool:
         return False
 
 
+def why_not_packed(device: str | torch.device, dtype: torch.dtype) -> str | None:
+    """Why the sampler cannot run its linear layers from pre-packed weights
+    (:class:`_PackedLinear`) on ``device`` in ``dtype``, or None where it can: on a CPU, in
+    float32, or in bfloat16 where oneDNN has a bfloat16 path, with oneDNN present."""
+    if torch.device(device).type != "cpu":
+        return "a CPU path"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"bfloat16 or float32 only, not {str(dtype).removeprefix('torch.')}"
+    if not _onednn_linear():
+        return "this torch build has no oneDNN pre-packed linear ops"
+    if dtype == torch.bfloat16 and not _onednn_bf16():
+        return "oneDNN has no bfloat16 path on this CPU"
+    return None
+
+
 def packs_linears(device: str | torch.device, dtype: torch.dtype) -> bool:
     """Whether the sampler runs its linear layers from pre-packed weights
-    (:class:`_PackedLinear`): on a CPU, in float32, or in bfloat16 where oneDNN has a
-    bfloat16 path, with oneDNN present."""
-    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
-        return False
-    return _onednn_linear() and (dtype == torch.float32 or _onednn_bf16())
+    (:func:`why_not_packed` has no reason against it)."""
+    return why_not_packed(device, dtype) is None
 
 
 class _PackedLinear(torch.nn.Module):

@@ -1,11 +1,12 @@
 """PNG plots of a run's metrics (reward, eval accuracy, KL, loss, tokens/s, tool calls per
-episode and the rate of a second call, the critic's value loss and explained variance,
-vs step)."""
+episode and the rate of a second call, the share of episodes with 0, 1, 2, 3+ calls, the
+critic's value loss and explained variance, vs step)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from agentenv.rollout.stats import HISTOGRAM_TOP
 from agentenv.run.tracking import read_metrics
 
 PLOTS: dict[str, tuple[str, ...]] = {
@@ -20,6 +21,10 @@ PLOTS: dict[str, tuple[str, ...]] = {
         "rollout/requery_after_miss_rate",
         "rollout/second_hop_recall",
         "rollout/prices_found_rate",
+    ),
+    "tool_calls_histogram": (
+        *(f"rollout/tool_calls/{k}" for k in range(HISTOGRAM_TOP)),
+        f"rollout/tool_calls/{HISTOGRAM_TOP}+",
     ),
     "critic": ("critic/value_loss", "critic/explained_variance"),
 }

@@ -140,6 +140,36 @@ def test_turn_credit_trains_each_turns_tokens_with_its_advantage(tokenizer, monk
     assert len(trained) == 8  # both groups trained (no padding micro-batch here)
 
 
+def test_the_bandit_default_trains_each_sequence_with_its_group_advantage_bitwise(
+    tokenizer, monkeypatch
+):
+    """What the code before per-turn credit trained (aaf4b63^: ``flat[idx]`` per micro-
+    batch): one advantage per sequence ``(N,)``, bit for bit ``(r - mean) / (std + 1e-4)``
+    of its group, computed in float32; the group whose rewards are equal is dropped even
+    though its turns' rewards differ."""
+    from agentenv.lm.models import tiny_model as build
+    from algorithms import grpo
+
+    groups = two_turn_groups(
+        [[0, 1, 1, 0], [1, 1, 1, 1]],
+        [[[1, 0], [0, 0], [1, 1], [0, 1]], [[0, 0], [1, 0], [0, 0], [0, 0]]],
+    )
+    seen = []
+    real = grpo.policy_loss
+    monkeypatch.setattr(grpo, "policy_loss", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
+    trainer = GRPO(build(tokenizer), tokenizer, config(), sampling=SAMPLING)
+    assert trainer.config.credit == "bandit"
+    trainer.learn(groups)
+    r = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    want = (r - r.mean()) / (r.std(correction=0) + 1e-4)  # (G,) float32
+    assert torch.equal(trainer.last_advantages[0], want)
+    assert torch.equal(trainer.last_advantages[1], torch.zeros(4))
+    assert trainer.last_turn_advantages is None
+    trained = torch.cat([a for a in seen if a.numel()])
+    assert all(a.dim() == 1 for a in seen)  # one value per sequence, not per token
+    assert sorted(trained.tolist()) == sorted(want.tolist())  # group 1 dropped, exactly
+
+
 def test_turn_credit_with_a_turn_weight_of_zero_is_the_bandit_update(tokenizer):
     from agentenv.lm.models import tiny_model as build
 

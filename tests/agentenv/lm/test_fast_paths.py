@@ -187,3 +187,59 @@ def test_the_cli_flag_reaches_the_generation_config():
 
     args = build_parser().parse_args(["train", "--fast-paths-off", "share_slots", "llama_step"])
     assert _train_config(args).generation.fast_paths_off == ["share_slots", "llama_step"]
+
+
+def test_one_log_line_says_which_paths_run_and_why_the_others_do_not(lora_model, tokenizer, caplog):
+    """A LoRA Llama in float32 on a CPU: every path runs but the ones switched off, and
+    the line (info: nothing failed a precondition) names each switched-off one."""
+    caplog.set_level("INFO", logger=sampler_module.__name__)
+    policy = TransformersPolicy(lora_model, tokenizer, dtype="float32", share_slots=False)
+    records = [r for r in caplog.records if r.name == sampler_module.__name__]
+    assert [r.levelname for r in records] == ["INFO"]
+    assert policy.fast_paths_missing == {}
+    assert policy.fast_paths["share_slots"] == "switched off"
+    packed = packs_linears("cpu", torch.float32)
+    for name in ("pack_weights", "pack_qkv", "fold_lora"):
+        assert (policy.fast_paths[name] is None) is packed
+    for name in ("llama_step", "inplace_attention", "share_prefix", "reuse_cache", "drafting"):
+        assert policy.fast_paths[name] is None, name
+    assert "off: share_slots (switched off)" in records[0].getMessage()
+
+
+def test_a_path_whose_precondition_fails_is_named_in_a_warning(
+    lora_model, tokenizer, caplog, monkeypatch
+):
+    """No oneDNN in this torch build: packing (and what builds on it) is off, the sampler
+    still draws, and one warning names the path and the reason."""
+    import agentenv.lm.weights as weights
+
+    monkeypatch.setattr(weights, "_onednn_linear", lambda: False)
+    caplog.set_level("INFO", logger=sampler_module.__name__)
+    policy = TransformersPolicy(lora_model, tokenizer, dtype="float32")
+    records = [r for r in caplog.records if r.name == sampler_module.__name__]
+    assert [r.levelname for r in records] == ["WARNING"]
+    assert list(policy.fast_paths_missing) == ["pack_weights"]
+    assert "oneDNN" in records[0].getMessage() and "pack_weights" in records[0].getMessage()
+    assert policy.fast_paths["pack_qkv"] == policy.fast_paths["fold_lora"] == "needs pack_weights"
+    assert not any(isinstance(m, _PackedLinear) for m in policy.model.modules())
+
+
+def test_another_architecture_is_decoded_without_the_llama_step_and_says_so(tokenizer, caplog):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    caplog.set_level("INFO", logger=sampler_module.__name__)
+    policy = TransformersPolicy(Qwen2ForCausalLM(config).eval(), tokenizer, dtype="float32")
+    assert policy.fast_paths_missing == {"llama_step": "Qwen2ForCausalLM is not a Llama model"}
+    records = [r for r in caplog.records if r.name == sampler_module.__name__]
+    assert [r.levelname for r in records] == ["WARNING"]
+    assert "llama_step: Qwen2ForCausalLM is not a Llama model" in records[0].getMessage()

@@ -115,3 +115,27 @@ def test_loading_an_adapter_checkpoint_prints_no_library_warning(tmp_path):
         warnings.simplefilter("error")  # any warning fails the test
         model = load_from_checkpoint(tiny_model(tokenizer), tmp_path / "ckpt")
     assert any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_export_of_a_gae_checkpoint_leaves_its_critic_out(tiny_model_dir, tmp_path):
+    """A ``credit="gae"`` checkpoint holds the critic (``critic.pt``) beside the adapter;
+    the exported model is the policy alone and generates what the adapter model does."""
+    from peft import AutoPeftModelForCausalLM
+    from toy_episodes import SAMPLING, make_groups
+
+    from algorithms.config import GRPOConfig
+    from algorithms.grpo import GRPO
+
+    model, tokenizer = models.load(tiny_model_dir, dtype="float32")
+    config = GRPOConfig(learning_rate=5e-2, lora_r=4, lora_alpha=8, credit="gae")
+    trainer = GRPO(model, tokenizer, config, sampling=SAMPLING)
+    trainer.learn(make_groups([[1, 0, 0], [0, 1, 0]], seed=0))
+    saved = trainer.save(tmp_path / "checkpoint")
+    assert (saved / "critic.pt").is_file()
+    out = tmp_path / "merged"
+    assert main(["export", str(saved), str(out)]) == 0
+    assert not list(out.glob("critic*")) and (out / "config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert not any("lora" in name or "value" in name for name, _ in merged.named_parameters())
+    adapter_model = AutoPeftModelForCausalLM.from_pretrained(str(saved / "adapter")).eval()
+    assert greedy(merged, tokenizer, 20) == greedy(adapter_model, tokenizer, 20)

@@ -76,6 +76,7 @@ def test_two_step_run_writes_every_artifact(tiny_model_dir, tmp_path, capsys):
         "loss.png",
         "tokens_per_second.png",
         "tool_calls.png",
+        "tool_calls_histogram.png",
     }
     assert latest_checkpoint(run / "checkpoints").name == "step_000002"
     assert (run / "eval" / "before.json").exists() and (run / "eval" / "after.json").exists()
