@@ -43,13 +43,25 @@ def check_engine(config: EngineConfig) -> None:
                 )
 
 
+# The major releases the fast sampler is built on and tested with (its cache layers,
+# attention registry and Llama step follow their internals); another one decodes with
+# the reference path until the suite has passed on it and this line says so.
+FAST_SAMPLER_RELEASES = {"torch": 2, "transformers": 5}
+
+
 def fast_sampler_missing(model: torch.nn.Module | None = None) -> str | None:
     """Why the bundled fast sampler (:mod:`agentenv.lm.sampler`) cannot decode ``model``
     here, or None; :func:`make_policy` then decodes with the reference path instead.
 
-    It builds on transformers' internals (cache layers, the attention registry, Llama's
-    modules): a release that moved one fails its import. And it packs plain weight
-    matrices, which a 4-bit (bitsandbytes) base does not have."""
+    It builds on torch's and transformers' internals (cache layers, the attention
+    registry, Llama's modules, oneDNN's ops): a major release other than
+    :data:`FAST_SAMPLER_RELEASES` is not trusted, and a release that moved one fails its
+    import. And it packs plain weight matrices, which a 4-bit (bitsandbytes) base does
+    not have."""
+    for name, major in FAST_SAMPLER_RELEASES.items():
+        version = _version(name)
+        if not version.startswith(f"{major}."):
+            return f"is built on {name} {major}.x, and this is {name} {version}"
     try:
         import agentenv.lm.sampler  # noqa: F401
     except ImportError as exc:
@@ -61,6 +73,13 @@ def fast_sampler_missing(model: torch.nn.Module | None = None) -> str | None:
         if quantized is not None:
             return f"packs plain weights, and this base is in 4 bits ({quantized})"
     return None
+
+
+def _version(name: str) -> str:
+    """The installed version of the (already imported) library ``name``."""
+    import importlib
+
+    return str(importlib.import_module(name).__version__)
 
 
 def server_api_key(config: EngineConfig) -> str | None:

@@ -52,3 +52,21 @@ def test_without_the_fast_sampler_the_agentenv_engine_falls_back_and_says_so(
     assert [r.getMessage() for r in caplog.records] == [
         f"decoding with the reference path: the fast sampler {reason}"
     ]
+
+
+def test_a_major_release_the_fast_sampler_was_not_built_on_falls_back(
+    tiny_model, tokenizer, monkeypatch, caplog
+):
+    from agentenv.lm import engines
+    from agentenv.lm.reference import ReferencePolicy
+
+    real = engines._version
+    monkeypatch.setattr(engines, "_version", lambda n: "6.0.1" if n == "transformers" else real(n))
+    reason = engines.fast_sampler_missing()
+    assert reason == "is built on transformers 5.x, and this is transformers 6.0.1"
+    with caplog.at_level("WARNING", logger="agentenv.lm.engines"):
+        policy = make_policy(EngineConfig(), tiny_model, tokenizer, model_name="t", dtype="float32")
+    assert isinstance(policy, ReferencePolicy)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"decoding with the reference path: the fast sampler {reason}"
+    ]
