@@ -5,6 +5,7 @@
     python benchmarks/rollout.py --device cuda          # the model on a GPU (default: cpu)
     python benchmarks/rollout.py --device cuda --passes 4 --fresh-episodes --rag-retriever bm25
     .venv-vllm/bin/python benchmarks/rollout.py --engines agentenv vllm   # and vLLM in-process
+    python benchmarks/rollout.py --scenarios rag --sizes 32 --fast-paths-off reuse_cache
 
 For each scenario and number of episodes (G = 8 per task, sampled at temperature 1.0 from
 seeds, the default SmolLM2-135M-Instruct in the compute dtype ``auto`` resolves to):
@@ -26,6 +27,9 @@ fixed work measures.
 agentenv/lm/reference.py) and ``vllm`` (vLLM in this process, ``--engine vllm``:
 run the script with a Python that has vLLM, e.g. ``.venv-vllm/`` from ``install.sh
 --vllm``). vLLM's fixed work is its own ``LLM.generate`` with ``ignore_eos``.
+``--fast-paths-off NAME ...`` then measures the bundled sampler again once per named fast
+path (``agentenv.lm.backend.FAST_PATHS``) with that one path off: its gain, in the same
+run.
 
 Scenarios: ``calc`` (Calculator-v0 word problems, 2 turns, 64 tokens a turn), ``rag``
 (RAG-v0, compact prompt, up to 3 turns, 48 tokens a turn: examples/rag_grpo.yaml),
@@ -212,11 +216,13 @@ def decode_columns(m: dict, fixed: float) -> str:
     )
 
 
-def make_policy(engine: str, model: Any, tokenizer: Any, name: str, dtype: Any) -> Any:
+def make_policy(
+    engine: str, model: Any, tokenizer: Any, name: str, dtype: Any, off: tuple[str, ...] = ()
+) -> Any:
     from agentenv.lm.backend import EngineConfig
     from agentenv.lm.engines import check_engine, make_policy
 
-    config = EngineConfig(engine=engine)
+    config = EngineConfig(engine=engine, fast_paths_off=list(off))
     check_engine(config)
     return make_policy(config, model, tokenizer, model_name=name, dtype=dtype)
 
@@ -263,7 +269,20 @@ def main() -> None:
         "episode's context), each row then decoding over a longer KV cache; the shares printed "
         "stay against the plain prompt's",
     )
+    parser.add_argument(
+        "--fast-paths-off",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="then the bundled sampler again with each of these fast paths off, one at a time "
+        "(agentenv.lm.backend.FAST_PATHS)",
+    )
     args = parser.parse_args()
+    from agentenv.lm.backend import FAST_PATHS
+
+    unknown = sorted(set(args.fast_paths_off) - set(FAST_PATHS))
+    if unknown:
+        parser.error(f"--fast-paths-off: unknown {unknown}; the names are {list(FAST_PATHS)}")
     if args.passes < 1:
         parser.error(f"--passes must be >= 1, got {args.passes}")
     if any(tokens < 1 for tokens in args.fixed_prompt_tokens):
@@ -288,9 +307,11 @@ def main() -> None:
         f"# {args.model}, {args.device}, {dtype}, torch threads {torch_threads()}, "
         f"torch {torch.__version__}"
     )
-    for engine in args.engines:
-        policy = make_policy(engine, model, tokenizer, args.model, dtype)
-        print(f"## engine {engine}")
+    runs = [(engine, ()) for engine in args.engines]
+    runs += [("agentenv", (name,)) for name in args.fast_paths_off]
+    for engine, off in runs:
+        policy = make_policy(engine, model, tokenizer, args.model, dtype, off)
+        print(f"## engine {engine}" + (f", {off[0]} off" if off else ""))
         run_engine(policy, fmt, args)
         del policy
     peak = peak_memory(args.device)

@@ -23,3 +23,12 @@ def test_the_fixed_prompt_grows_by_the_fewest_words_that_reach_the_length(tokeni
         assert len(ids) >= tokens > len(rollout.prompt_ids(tokenizer, words - 1))
         assert tokenizer.decode(ids).count(rollout.QUESTION) == 1
     assert rollout.prompt_ids(tokenizer, 20) != rollout.prompt_ids(tokenizer, 21)
+
+
+def test_a_run_with_one_fast_path_off_turns_off_that_path_alone(tiny_model, tokenizer):
+    policy = rollout.make_policy(
+        "agentenv", tiny_model, tokenizer, "tiny", "float32", ("reuse_cache",)
+    )
+    assert not policy.reuse_cache and policy.share_prefix
+    assert policy.fast_paths["reuse_cache"] == "switched off"
+    assert [k for k, why in policy.fast_paths.items() if why == "switched off"] == ["reuse_cache"]
