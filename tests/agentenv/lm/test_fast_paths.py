@@ -225,20 +225,10 @@ def test_a_path_whose_precondition_fails_is_named_in_a_warning(
 
 
 def test_another_architecture_is_decoded_without_the_llama_step_and_says_so(tokenizer, caplog):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tiny_models import tiny_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     caplog.set_level("INFO", logger=sampler_module.__name__)
-    policy = TransformersPolicy(Qwen2ForCausalLM(config).eval(), tokenizer, dtype="float32")
+    policy = TransformersPolicy(tiny_qwen2(tokenizer), tokenizer, dtype="float32")
     assert policy.fast_paths_missing == {"llama_step": "Qwen2ForCausalLM is not a Llama model"}
     records = [r for r in caplog.records if r.name == sampler_module.__name__]
     assert [r.levelname for r in records] == ["WARNING"]

@@ -656,24 +656,11 @@ def test_rows_sharing_a_slot_until_they_part_decode_as_they_would_alone(
 def test_rows_of_a_model_with_sliding_windows_keep_a_slot_each(tokenizer, monkeypatch):
     """A cache of sliding-window layers cannot copy a slot's rows when it splits: its rows
     each keep their own slot, take no drafts (and decode as they would alone)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tiny_models import tiny_qwen2
 
     from agentenv.lm import decoding
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=True,
-        sliding_window=4096,
-        max_window_layers=0,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+    model = tiny_qwen2(tokenizer, use_sliding_window=True, sliding_window=4096, max_window_layers=0)
     assert set(model.config.layer_types) == {"sliding_attention"}
     first = prompts(tokenizer)[0]
     policy = TransformersPolicy(model, tokenizer, dtype="float32", share_slots=True)
