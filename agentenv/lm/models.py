@@ -355,6 +355,10 @@ def load(
         raise _not_loadable(name_or_path, path, exc) from exc
     if quantize is None:
         model.to(device)
+    else:
+        from agentenv.lm.quantize import keep_differentiable
+
+        keep_differentiable(model)
     model.eval()
     tokenizer = _tokenizer_from(name_or_path, path)
     if model.generation_config.pad_token_id is None:

@@ -8,6 +8,15 @@ x86 without AVX512 the matmul is a dequantize then ``F.linear``): about 7x less 
 the quantized weights, and a forward 1.25x slower than float32 on the 2-core AVX2
 machine (``python benchmarks/qlora.py``).
 
+On a CPU with avx512_bf16 (AMX included), bitsandbytes' ``Linear4bit`` would repack its
+weights in place at the first forward in eval mode without gradients and from then on
+compute in bfloat16 through a kernel without a backward (``gemv_4bit``): a QLoRA run's
+first rollout would leave the learner without the base's gradient to the activations
+(the LoRA layers below the last would train on a partial gradient, silently) and every
+forward 4-bit in bf16 whatever the compute dtype. :func:`keep_differentiable` turns that
+repacking off (bitsandbytes' own switch, ``support_avx512bf16_for_cpu``), so the 4-bit
+product stays a de-quantize then a matmul in the compute dtype on every CPU, as on AVX2.
+
 The bundled fast sampler packs plain weight matrices, so a 4-bit model decodes with the
 reference path (:mod:`agentenv.lm.reference`: the model's own forward), which
 :func:`agentenv.lm.engines.make_policy` picks with one log line. A checkpoint records the
@@ -61,6 +70,18 @@ def quantization_config(quantize: str, dtype: Any) -> Any:
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=quantize, bnb_4bit_compute_dtype=dtype
     )
+
+
+def keep_differentiable(model: Any) -> int:
+    """Keep every bitsandbytes ``Linear4bit`` of ``model`` on its differentiable path in
+    the compute dtype (no CPU repacking into the bf16 inference kernel; see the module
+    docstring). Returns how many layers it set."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def quantization_of(model: Any) -> str | None:

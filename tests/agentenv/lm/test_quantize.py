@@ -103,6 +103,39 @@ def test_grpo_trains_the_adapter_and_leaves_the_4bit_weights_alone(bnb, tiny_mod
     assert any(not torch.equal(params[n], w) for n, w in lora.items() if "lora_B" in n)
 
 
+def test_a_rollout_leaves_the_4bit_base_differentiable(bnb, tiny_model_dir):
+    """A forward in eval mode without gradients (what the sampler runs) must not move the
+    4-bit layers onto bitsandbytes' bf16 inference kernel, which has no backward (on CPUs
+    with avx512_bf16): the LoRA gradients after it equal those before, bit for bit."""
+    from algorithms.lora import apply_lora
+
+    model, tokenizer = load_4bit(tiny_model_dir)
+    peft_model = apply_lora(model, 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], 0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:  # B starts at 0: let the lower layers' A get a gradient
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([tokenizer.encode("what is 3 + 4?", add_special_tokens=False)])
+
+    def gradients():
+        peft_model.train()
+        peft_model.zero_grad()
+        peft_model(ids).logits.sum().backward()
+        return {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+    before = gradients()
+    peft_model.eval()
+    with torch.no_grad():
+        peft_model(ids)  # a rollout's forward
+    layers = [m for m in peft_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    after = gradients()
+    assert before.keys() == after.keys()
+    for name, grad in before.items():
+        assert torch.equal(grad, after[name]), name
+
+
 def test_a_qlora_run_records_its_base_and_exports_into_the_dequantized_weights(
     bnb, tiny_model_dir, tmp_path, capsys
 ):
