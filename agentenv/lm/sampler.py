@@ -534,6 +534,9 @@ def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     return length
 
 
+_PACKED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes packed weights exist for
+
+
 def fast_path_status(
     sampled: torch.nn.Module,
     trained: torch.nn.Module,
@@ -558,8 +561,8 @@ def fast_path_status(
             continue
         why, failed = None, False
         if name == "pack_weights":
-            why = why_not_packed(device, dtype)
-            failed = why is not None and device.type == "cpu" and "oneDNN" in why
+            why = why_not_packed(device, dtype)  # on a CPU in bf16 / fp32: this build
+            failed = why is not None and device.type == "cpu" and dtype in _PACKED_DTYPES
         elif name in ("pack_qkv", "fold_lora") and status["pack_weights"] is not None:
             why = "needs pack_weights"
         elif name == "fold_lora" and dtype != torch.float32:
