@@ -80,6 +80,7 @@ from agentenv.lm.decoding import Decoder, drain, merge_caches, plain_layers
 from agentenv.lm.models import limit_onednn_cache
 from agentenv.lm.precision import resolve_dtype
 from agentenv.lm.weights import (
+    PACKED_DTYPES,
     is_peft,
     release_packed,
     sampling_copy,
@@ -534,9 +535,6 @@ def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     return length
 
 
-_PACKED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes packed weights exist for
-
-
 def fast_path_status(
     sampled: torch.nn.Module,
     trained: torch.nn.Module,
@@ -562,7 +560,7 @@ def fast_path_status(
         why, failed = None, False
         if name == "pack_weights":
             why = why_not_packed(device, dtype)  # on a CPU in bf16 / fp32: this build
-            failed = why is not None and device.type == "cpu" and dtype in _PACKED_DTYPES
+            failed = why is not None and device.type == "cpu" and dtype in PACKED_DTYPES
         elif name in ("pack_qkv", "fold_lora") and status["pack_weights"] is not None:
             why = "needs pack_weights"
         elif name == "fold_lora" and dtype != torch.float32:

@@ -318,13 +318,16 @@ def _onednn_bf16() -> bool:
         return False
 
 
+PACKED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes packed weights exist for
+
+
 def why_not_packed(device: str | torch.device, dtype: torch.dtype) -> str | None:
     """Why the sampler cannot run its linear layers from pre-packed weights
     (:class:`_PackedLinear`) on ``device`` in ``dtype``, or None where it can: on a CPU, in
     float32, or in bfloat16 where oneDNN has a bfloat16 path, with oneDNN present."""
     if torch.device(device).type != "cpu":
         return "a CPU path"
-    if dtype not in (torch.bfloat16, torch.float32):
+    if dtype not in PACKED_DTYPES:
         return f"bfloat16 or float32 only, not {str(dtype).removeprefix('torch.')}"
     if not _onednn_linear():
         return "this torch build has no oneDNN pre-packed linear ops"
