@@ -349,10 +349,12 @@ class GRPO(Trainer):
             self.last_turn_advantages = [a for group in per_turn for a in group]
         critic_stats: dict[str, float] = {}
         if cfg.credit == "gae":  # the critic's values before each turn, then its fit
+            t_critic = time.perf_counter()
             per_turn, critic_stats = self._critic_advantages(
                 batches, rows, episodes, turn_rewards, rewards_for_advantages, advantages, valid
             )
             self.last_turn_advantages = [a for group in per_turn for a in group]
+            critic_stats["time/critic_s"] = time.perf_counter() - t_critic
         for mb, idx in zip(batches, rows, strict=True):
             if not idx:  # a padding micro-batch keeps its zero advantage
                 continue

@@ -154,6 +154,7 @@ def test_learn_gives_each_turn_its_advantage_and_trains_the_critic(tokenizer):
     assert metrics["critic/value_loss"] == pytest.approx(0.5 * flat.square().mean().item())
     assert metrics["critic/value_loss_after"] < metrics["critic/value_loss"]
     assert metrics["num_sequences"] == 6 and metrics["frac_reward_zero_std"] == 0.5
+    assert metrics["time/critic_s"] > 0  # the critic's forward and fit, timed apart
     assert trainer.critic is not None
     assert not torch.equal(trainer.critic.values(torch.randn(3, 64)), torch.zeros(3))
 
