@@ -24,6 +24,7 @@ REFERENCES = ("initial", "base")
 REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
 CREDITS = ("bandit", "turn", "gae")
+TURN_BASELINES = ("group", "index")  # what a turn's return is compared with under credit=turn
 VALUE_LR = 1e-3  # the critic's AdamW LR: a linear head on fixed features learns fast
 
 # What None means for the two settings whose good value depends on the algorithm (declared
@@ -181,8 +182,8 @@ class GRPOConfig(TrainerConfig):
         "How an episode's tokens share credit. bandit: every policy token gets the episode's "
         "advantage (one reward per episode). turn: a turn's tokens also get turn_weight x "
         "its return of the env's per-turn rewards (info['turn_reward'], from that turn on, "
-        "discounted by turn_gamma), less one baseline per group (never per turn index: "
-        "that biases the decision to take another turn), normalised like the outcome. "
+        "discounted by turn_gamma), less a baseline (turn_baseline), normalised like the "
+        "outcome. "
         "gae: a critic (a value head on the policy's last hidden state) predicts the return "
         "before each turn; a turn's tokens get its GAE(turn_gamma, gae_lambda) advantage over "
         "turns, the rewards being turn_weight x the per-turn rewards plus the outcome at "
@@ -192,6 +193,14 @@ class GRPOConfig(TrainerConfig):
         1.0,
         "credit=turn|gae: the weight of the env's per-turn rewards against the outcome "
         "(turn: of their return's advantage; gae: of each turn's reward).",
+    )
+    turn_baseline: str = option(
+        "group",
+        "credit=turn: what a turn's return is compared with. group: the mean (and std) of "
+        "every turn's return in the group, one constant (a later turn's return holds fewer "
+        "rewards, so its term is lower whatever it did). index: those of the group's "
+        "returns at the same turn index (a function of the turn's state, so unbiased too; "
+        "not verl #7244's per-index normalised rewards summed into a return).",
     )
     turn_gamma: float = option(
         1.0, "credit=turn|gae: the discount of later turns' rewards in a turn's return (0-1)."
@@ -238,6 +247,7 @@ class GRPOConfig(TrainerConfig):
             "reference": REFERENCES,
             "reward_combination": REWARD_COMBINATIONS,
             "credit": CREDITS,
+            "turn_baseline": TURN_BASELINES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -36,10 +36,11 @@ Design decisions:
 * **Credit** (``credit``): ``bandit`` (the default) gives every policy token of an
   episode its one advantage. ``turn`` adds to a turn's tokens ``turn_weight`` times its
   return of the env's per-turn rewards (``Episode.turn_rewards``, from that turn on,
-  discounted by ``turn_gamma``) less one baseline per group, normalised by the group's
-  std of those returns (:func:`~algorithms.losses.turn_advantages`; a per-turn-index
-  baseline would bias the decision to take another turn, verl #7244). A group whose
-  outcomes are all equal but whose turn returns differ still teaches under ``turn``.
+  discounted by ``turn_gamma``) less a baseline, normalised by the std of those returns:
+  ``turn_baseline="group"`` one per group, ``"index"`` one per turn index within the group
+  (:func:`~algorithms.losses.turn_advantages` says why both are unbiased and verl #7244's
+  per-index construction is not). A group whose outcomes are all equal but whose turn
+  returns differ still teaches under ``turn``.
   ``gae`` asks a critic (:mod:`algorithms.critic`, a value head on the policy's hidden
   state before each turn, from one extra no-grad forward) for each turn's value and gives
   the turn's tokens its GAE advantage over turns (:func:`~algorithms.losses.gae_advantages`:
@@ -321,7 +322,8 @@ class GRPO(Trainer):
         no_signal = zero_std  # (B,)
         if cfg.credit != "bandit":  # a group whose turns' returns differ still teaches
             turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
-            no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma)
+            pools = cfg.turn_baseline if cfg.credit == "turn" else "group"
+            no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma, pools)
         # failed episodes teach nothing; groups without a signal under a group baseline
         # neither (the critic's advantages under gae are not relative to the group)
         drop = no_signal if group_baseline and cfg.credit != "gae" else torch.zeros_like(no_signal)
@@ -344,7 +346,7 @@ class GRPO(Trainer):
         if cfg.credit == "turn":  # one advantage per turn, on that turn's tokens
             per_turn = turn_advantages(
                 advantages, turn_rewards, valid, cfg.turn_weight, cfg.turn_gamma,
-                cfg.advantage_norm,
+                cfg.advantage_norm, baseline=cfg.turn_baseline,
             )  # fmt: skip
             self.last_turn_advantages = [a for group in per_turn for a in group]
         critic_stats: dict[str, float] = {}

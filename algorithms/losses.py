@@ -18,7 +18,13 @@ from collections.abc import Sequence
 import torch
 
 from agentenv.errors import InvalidOptionError
-from algorithms.config import ADVANTAGE_BASELINES, ADVANTAGE_NORMS, KL_ESTIMATORS, GRPOConfig
+from algorithms.config import (
+    ADVANTAGE_BASELINES,
+    ADVANTAGE_NORMS,
+    KL_ESTIMATORS,
+    TURN_BASELINES,
+    GRPOConfig,
+)
 
 
 def compute_advantages(
@@ -108,61 +114,92 @@ def turn_advantages(
     gamma: float = 1.0,
     norm: str = "mean_std",
     eps: float = 1e-4,
+    baseline: str = "group",
 ) -> list[list[list[float]]]:
     """One advantage per policy turn: ``[b][g][k]`` for turn ``k`` of member ``g`` of group
     ``b``, from the outcome's advantages ``(B, G)`` (:func:`compute_advantages`) and each
     turn's rewards ``turn_rewards[b][g][k]`` (``Episode.turn_rewards``)::
 
         G[b][g][k] = r[b][g][k] + gamma * G[b][g][k + 1]        (return from turn k on)
-        A[b][g][k] = outcome[b, g] + weight * (G[b][g][k] - mean_b) / (std_b + eps)
+        A[b][g][k] = outcome[b, g] + weight * (G[b][g][k] - mean) / (std + eps)
 
-    ``mean_b`` and ``std_b`` (population) are over every turn of the group's ``valid``
-    members: **one baseline per group**, the same for all its turns. A baseline per turn
-    index (the mean of the members' returns at turn k, as MT-GRPO-style per-index
-    normalisation does) is action-dependent: how many such terms an episode collects
-    depends on its own decision to take another turn, which biases that decision by the
-    group's mean per-turn reward (verl #7244). A constant baseline leaves the gradient
-    unbiased; the ``gae`` critic is the state-dependent one. ``mean_only`` does not divide
-    by the std. A group whose returns are all equal gets no turn term; invalid members
-    (failed episodes) get 0 on every turn, as their outcome advantage is.
+    ``mean`` and ``std`` (population) are taken over the group's ``valid`` members:
+
+    * ``baseline="group"``: over every turn of them, **one baseline per group**, the same
+      for all its turns. A constant baseline is unbiased, but a return from turn k on
+      holds fewer rewards the later k is, so a later turn's term is lower whatever the
+      turn did (on RAG-v0's bridge questions: a first search's +1.2 on average, the
+      second's -0.7 and an answer's -0.7).
+    * ``baseline="index"``: over the returns at the same turn index ``k``, of the members
+      that reached it. The index is part of the turn's state (its history), so this
+      baseline is still a function of the state, not of the turn's action, and unbiased:
+      it is subtracted from that turn's own return only. (verl #7244's biased
+      construction is another one: per-index normalised *immediate* rewards summed into
+      a return, so an earlier turn's advantage collects one baseline per later turn it
+      takes, and the decision to take another turn is charged the mean per-turn reward.)
+
+    ``mean_only`` does not divide by the std. Turns whose pool's returns are all equal
+    get no turn term (a turn index only one member reached, under ``index``); invalid
+    members (failed episodes) get 0 on every turn, as their outcome advantage is.
     """
     if norm not in ADVANTAGE_NORMS:
         raise InvalidOptionError(f"norm must be one of {ADVANTAGE_NORMS}, got {norm!r}")
+    if baseline not in TURN_BASELINES:
+        raise InvalidOptionError(f"baseline must be one of {TURN_BASELINES}, got {baseline!r}")
     out: list[list[list[float]]] = []
     for b, group in enumerate(turn_rewards):
-        returns, kept, spread = _group_returns(group, valid[b], gamma)
-        mean = kept.mean().item() if spread else 0.0
-        scale = (kept.std(correction=0).item() + eps) if spread and norm == "mean_std" else 1.0
+        returns, pools = _group_returns(group, valid[b], gamma, baseline)
+        stats = {}
+        for key, kept in pools.items():
+            spread = bool((kept != kept[0]).any())
+            std = kept.std(correction=0).item() + eps if norm == "mean_std" else 1.0
+            stats[key] = (kept.mean().item(), std) if spread else None
         out.append([])
         for g, rs in enumerate(returns):
             if not valid[b, g]:
                 out[b].append([0.0] * len(rs))
                 continue
-            base = float(outcome[b, g])
-            turn = [weight * (x - mean) / scale if spread else 0.0 for x in rs]
-            out[b].append([base + t for t in turn])
+            base, turns = float(outcome[b, g]), []
+            for k, x in enumerate(rs):
+                pool = stats[_pool_key(k, baseline)]
+                turns.append(base + (weight * (x - pool[0]) / pool[1] if pool else 0.0))
+            out[b].append(turns)
     return out
 
 
 def turn_return_spread(
-    turn_rewards: Sequence[Sequence[Sequence[float]]], valid: torch.Tensor, gamma: float = 1.0
+    turn_rewards: Sequence[Sequence[Sequence[float]]],
+    valid: torch.Tensor,
+    gamma: float = 1.0,
+    baseline: str = "group",
 ) -> torch.Tensor:
-    """``(B,)`` bool: whether group ``b``'s valid members' per-turn returns differ (else
-    :func:`turn_advantages` gives it no turn term)."""
-    spread = [_group_returns(group, valid[b], gamma)[2] for b, group in enumerate(turn_rewards)]
+    """``(B,)`` bool: whether some pool of group ``b``'s valid members' per-turn returns
+    (all its turns, or one turn index: ``baseline``) holds different values (else
+    :func:`turn_advantages` gives the group no turn term)."""
+    spread = []
+    for b, group in enumerate(turn_rewards):
+        pools = _group_returns(group, valid[b], gamma, baseline)[1]
+        spread.append(any(bool((kept != kept[0]).any()) for kept in pools.values()))
     return torch.tensor(spread, dtype=torch.bool)
 
 
+def _pool_key(k: int, baseline: str) -> int:
+    """The pool a turn ``k``'s return is compared within: the group's (-1) or its index's."""
+    return k if baseline == "index" else -1
+
+
 def _group_returns(
-    group: Sequence[Sequence[float]], valid: torch.Tensor, gamma: float
-) -> tuple[list[list[float]], torch.Tensor, bool]:
-    """One group's returns per member and turn, every turn's return of the members
-    marked ``valid`` ``(G,)`` (flat, float64), and whether those differ."""
+    group: Sequence[Sequence[float]], valid: torch.Tensor, gamma: float, baseline: str
+) -> tuple[list[list[float]], dict[int, torch.Tensor]]:
+    """One group's returns per member and turn, and the valid members' returns (float64)
+    in each pool (:func:`_pool_key`)."""
     returns = [_returns(rewards, gamma) for rewards in group]
-    kept = torch.tensor(
-        [x for g, rs in enumerate(returns) if valid[g] for x in rs], dtype=torch.float64
-    )
-    return returns, kept, bool((kept != kept[0]).any()) if kept.numel() else False
+    pools: dict[int, list[float]] = {}
+    for g, rs in enumerate(returns):
+        if valid[g]:
+            for k, x in enumerate(rs):
+                pools.setdefault(_pool_key(k, baseline), []).append(x)
+    return returns, {k: torch.tensor(v, dtype=torch.float64) for k, v in pools.items()}
 
 
 def _returns(rewards: Sequence[float], gamma: float) -> list[float]:

@@ -55,6 +55,30 @@ def test_undiscounted_returns_and_a_turn_weight_of_zero_give_the_outcome():
     assert zero[0] == [[0.5] * 3, [0.0] * 3, [-0.5] * 2]
 
 
+def test_turn_advantages_by_hand_with_one_baseline_per_turn_index():
+    """The same returns under baseline="index": index 0 holds 1.25 and 0.5 (mean 0.875,
+    std 0.375), index 1 holds 0.5 and 1 (mean 0.75, std 0.25), index 2 member 0's 1 alone
+    (no spread: no turn term). Weight 2: + 2 (G - mean) / std."""
+    got = turn_advantages(OUTCOME, TURN_REWARDS, VALID, 2.0, 0.5, eps=0.0, baseline="index")
+    expected = [[0.5 + 2.0, 0.5 - 2.0, 0.5], [0.0] * 3, [-0.5 - 2.0, -0.5 + 2.0]]
+    for a, e in zip(got[0], expected, strict=True):
+        assert a == pytest.approx(e, abs=1e-12)
+    flat = turn_advantages(OUTCOME, TURN_REWARDS, VALID, 2.0, 0.5, "mean_only", baseline="index")
+    assert flat[0][0] == pytest.approx([0.5 + 0.75, 0.5 - 0.5, 0.5])
+    # returns that differ only across indices: a signal for "group", none for "index"
+    same = [[[1.0, 0.0], [1.0, 0.0]]]
+    both = torch.tensor([[True, True]])
+    assert turn_return_spread(same, both, 1.0, "group").tolist() == [True]
+    assert turn_return_spread(same, both, 1.0, "index").tolist() == [False]
+    assert turn_advantages(torch.zeros(1, 2), same, both, 1.0, baseline="index") == [
+        [[0.0, 0.0], [0.0, 0.0]]
+    ]
+    with pytest.raises(InvalidOptionError, match="baseline must be one of"):
+        turn_advantages(OUTCOME, TURN_REWARDS, VALID, 1.0, baseline="turn")
+    with pytest.raises(InvalidOptionError, match="turn_baseline must be one of"):
+        config(credit="turn", turn_baseline="per_turn")
+
+
 def test_a_group_whose_returns_are_all_equal_gets_no_turn_term():
     rewards = [[[0.0, 1.0], [0.0, 0.0, 1.0], [7.0]], [[0.0], [1.0], [0.0]]]
     valid = torch.tensor([[True, True, False], [True, True, True]])
@@ -138,6 +162,35 @@ def test_turn_credit_trains_each_turns_tokens_with_its_advantage(tokenizer, monk
         values = [v for (s, e), v in zip(spans, per_turn, strict=True) for _ in range(e - s)]
         assert tuple(round(v, 5) for v in values) in trained
     assert len(trained) == 8  # both groups trained (no padding micro-batch here)
+
+
+def test_turn_credit_with_one_baseline_per_turn_index(tokenizer):
+    """turn_baseline="index": learn() gives turn_advantages(baseline="index"); a group of
+    equal outcomes whose returns differ only from one turn index to the next has no
+    signal under it (each index's returns are equal) and is dropped; under "group" not."""
+    from agentenv.lm.models import tiny_model as build
+
+    groups = two_turn_groups(
+        [[0, 1, 1, 0], [1, 1, 1, 1]],
+        [[[1, 0], [0, 0], [1, 1], [0, 1]], [[1, 0], [1, 0], [1, 0], [1, 0]]],
+    )
+    index = GRPO(
+        build(tokenizer), tokenizer, config(credit="turn", turn_baseline="index"), sampling=SAMPLING
+    )
+    metrics = index.learn(groups)
+    expected = turn_advantages(
+        index.last_advantages,
+        [[e.turn_rewards for e in g] for g in groups],
+        torch.ones(2, 4, dtype=torch.bool),
+        weight=1.0,
+        baseline="index",
+    )
+    assert index.last_turn_advantages == [a for g in expected for a in g]
+    assert index.last_turn_advantages[4:] == [[0.0, 0.0]] * 4
+    assert metrics["frac_no_signal"] == 0.5 and metrics["num_sequences"] == 8
+    group = GRPO(build(tokenizer), tokenizer, config(credit="turn"), sampling=SAMPLING)
+    assert group.learn(groups)["frac_no_signal"] == 0.0
+    assert group.last_turn_advantages[4][0] > 0 > group.last_turn_advantages[4][1]
 
 
 def test_the_bandit_default_trains_each_sequence_with_its_group_advantage_bitwise(
