@@ -151,7 +151,7 @@ def turn_advantages(
         returns, pools = _group_returns(group, valid[b], gamma, baseline)
         stats = {}
         for key, kept in pools.items():
-            spread = bool((kept != kept[0]).any())
+            spread = _differ(kept)
             std = kept.std(correction=0).item() + eps if norm == "mean_std" else 1.0
             stats[key] = (kept.mean().item(), std) if spread else None
         out.append([])
@@ -179,8 +179,13 @@ def turn_return_spread(
     spread = []
     for b, group in enumerate(turn_rewards):
         pools = _group_returns(group, valid[b], gamma, baseline)[1]
-        spread.append(any(bool((kept != kept[0]).any()) for kept in pools.values()))
+        spread.append(any(_differ(kept) for kept in pools.values()))
     return torch.tensor(spread, dtype=torch.bool)
+
+
+def _differ(kept: torch.Tensor) -> bool:
+    """Whether a pool's returns (non-empty, 1-D) hold different values."""
+    return bool((kept != kept[0]).any())
 
 
 def _pool_key(k: int, baseline: str) -> int:
