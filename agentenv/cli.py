@@ -339,7 +339,8 @@ def _dtype_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None
         "--dtype",
         default=default,
         choices=DTYPES,
-        help="compute dtype; auto: bfloat16 on GPUs and CPUs with native bf16, else float32",
+        help="compute dtype; auto: bfloat16 on GPUs and CPUs where it is faster (native bf16; "
+        "on Intel, AMX), else float32",
     )
 
 

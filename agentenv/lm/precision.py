@@ -1,8 +1,8 @@
 """Precision: the dtype names a user may give, what ``"auto"`` means, and autocast.
 
 One list, :data:`DTYPES`, and one meaning of ``"auto"`` (:func:`resolve_dtype`: bfloat16
-on a GPU that supports it and on a CPU with native bfloat16, else float32; never float16,
-which a user asks for by name), used by the
+on a GPU that supports it and on a CPU where it is the faster choice, :func:`cpu_prefers_bf16`,
+else float32; never float16, which a user asks for by name), used by the
 command line, the configs, model loading and the sampler. This module imports torch only
 inside its functions, so the command line can list the choices without loading torch.
 
@@ -33,25 +33,55 @@ BF16 (NEON) and SVE-BF16, as :func:`torch.cpu.get_capabilities` names them."""
 
 
 @functools.cache
-def cpu_supports_bf16() -> bool:
-    """True if this CPU computes bfloat16 natively (one of :data:`BF16_CPU_FEATURES`).
-
-    Without it PyTorch emulates bfloat16 on the CPU, slower than float32. Read from torch
-    (:func:`torch.cpu.get_capabilities`, any architecture) where this torch has it, else
-    from Linux's ``/proc/cpuinfo`` (x86 flag names; elsewhere: float32).
-    """
+def cpu_features() -> frozenset[str]:
+    """The CPU features this machine reports: the names :func:`torch.cpu.get_capabilities`
+    marks True (any architecture) where this torch has it, else Linux's ``/proc/cpuinfo``
+    x86 flags; empty where neither can be read (not Linux: Apple silicon and others)."""
     import torch
 
     get_capabilities = getattr(torch.cpu, "get_capabilities", None)
     if get_capabilities is not None:
-        capabilities = get_capabilities()
-        return any(bool(capabilities.get(name)) for name in BF16_CPU_FEATURES)
+        return frozenset(name for name, on in get_capabilities().items() if on is True)
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:  # not Linux: Apple silicon and others; stay with float32
+    except OSError:
+        return frozenset()
+    return frozenset(flags.partition(":")[2].split())
+
+
+def cpu_supports_bf16() -> bool:
+    """True if this CPU computes bfloat16 natively (one of :data:`BF16_CPU_FEATURES` in
+    :func:`cpu_features`). Without it PyTorch emulates bfloat16, slower than float32."""
+    return not cpu_features().isdisjoint(BF16_CPU_FEATURES)
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This CPU's vendor as x86's CPUID names it (``"GenuineIntel"``, ``"AuthenticAMD"``),
+    read from Linux's ``/proc/cpuinfo``; ``""`` where it cannot be read (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def cpu_prefers_bf16() -> bool:
+    """True where bfloat16 is the faster compute dtype on this CPU: what ``"auto"`` picks.
+
+    Native bfloat16 (:func:`cpu_supports_bf16`) is not enough on Intel: without AMX, an
+    Intel CPU's bf16 matrix products (AVX512-BF16 dot products, through oneDNN) run slower
+    than its float32 ones. On a 2-core Intel Xeon with avx512_bf16 and no AMX (2026-12-02,
+    ``python benchmarks/cpu_dtype.py``), float32 ran the quickstart 1.4x faster. So an Intel
+    CPU gets bfloat16 with AMX-BF16 only. Elsewhere native bf16 decides: AMD's avx512_bf16
+    (where this project's "bf16" figures were measured; not timed against float32 there)
+    and ARM's BF16 / SVE-BF16 (not timed).
+    """
+    if not cpu_supports_bf16():
         return False
-    return any(flag in flags.split() for flag in BF16_CPU_FEATURES)
+    return cpu_vendor() != "GenuineIntel" or "amx_bf16" in cpu_features()
 
 
 def check_dtype(dtype: str, device: str | None = None) -> None:
@@ -73,8 +103,9 @@ def check_dtype(dtype: str, device: str | None = None) -> None:
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """The compute dtype for ``dtype`` on ``device``.
 
-    ``"auto"``: bfloat16 on a CUDA device that supports it and on a CPU with native
-    bfloat16 (:func:`cpu_supports_bf16`), else float32. Never float16: a GPU without
+    ``"auto"``: bfloat16 on a CUDA device that supports it and on a CPU where it is
+    faster than float32 (:func:`cpu_prefers_bf16`: native bf16, and AMX on Intel), else
+    float32. Never float16: a GPU without
     bfloat16 (a T4, a V100) gets float32: float16's range is narrow, so its training needs
     loss scaling (the trainers' ``GradScaler``) and can still skip steps that overflow; ask
     for ``"float16"`` by name to sample and train in it.
@@ -94,7 +125,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
         return getattr(torch, dtype)
     if kind == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if kind == "cpu" and cpu_supports_bf16() else torch.float32
+    return torch.bfloat16 if kind == "cpu" and cpu_prefers_bf16() else torch.float32
 
 
 def compute_dtype(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.dtype:

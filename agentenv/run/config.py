@@ -40,8 +40,9 @@ class CommandConfig:
     device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
     dtype: str = option(
         "auto",
-        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and CPUs with "
-        "native bf16, else float32; never float16), float32, bfloat16, float16 (GPU only; "
+        "Compute dtype of sampling and training: auto (bfloat16 on GPUs and CPUs where it "
+        "is faster: native bf16, on Intel AMX too; else float32; never float16), float32, "
+        "bfloat16, float16 (GPU only; "
         "trains with dynamic loss scaling). Trained weights stay float32; a LoRA run keeps its "
         "frozen base in this dtype.",
     )

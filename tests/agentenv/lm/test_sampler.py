@@ -46,9 +46,9 @@ def recompute(model, prompt, gen, temperature=1.0):
 
 
 def test_resolve_dtype(monkeypatch):
-    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_prefers_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_prefers_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype(torch.bfloat16) == torch.bfloat16
