@@ -49,6 +49,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import uuid
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -98,7 +99,8 @@ class ServerPolicy:
         served_model: The name of the base model on the server (default: the first one
             ``/v1/models`` lists).
         adapter_dir: Where adapters are written for the server to load; it must be able to
-            read this path. Default: a new temporary folder.
+            read this path. Default: a new temporary folder, removed by :meth:`close` or
+            when the engine is garbage-collected (or the interpreter exits).
         stop_token_ids: Ids that end a turn (default: the tokenizer's and generation
             config's EOS ids, as the other engines').
         timeout_s: Seconds to wait for one reply.
@@ -136,8 +138,14 @@ class ServerPolicy:
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         # a plain model is the server's own: only a change after this point is unsendable
         self._version = None if self.lora else trainable_version(self._trainable)
-        self._own_dir = adapter_dir is None
-        self.adapter_dir = Path(adapter_dir or tempfile.mkdtemp(prefix="agentenv-adapters-"))
+        self._remove_dir: weakref.finalize | None = None  # a folder of our own goes with us
+        if adapter_dir is None:  # removed by close(), else when collected or at exit
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix="agentenv-adapters-"))
+            self._remove_dir = weakref.finalize(
+                self, shutil.rmtree, self.adapter_dir, ignore_errors=True
+            )
+        else:
+            self.adapter_dir = Path(adapter_dir)
         self._run = uuid.uuid4().hex[:8]  # adapter names of two runs on one server differ
         self._adapter: tuple[str, Path] | None = None  # the loaded adapter's name and folder
         self.syncs = 0  # adapters sent so far
@@ -188,8 +196,8 @@ class ServerPolicy:
                 pass  # the server is gone: so is the adapter
             shutil.rmtree(self._adapter[1], ignore_errors=True)
             self._adapter = None
-        if self._own_dir:
-            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        if self._remove_dir is not None:  # the caller's folder stays
+            self._remove_dir()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- decoding ------------------------------------------------------------------

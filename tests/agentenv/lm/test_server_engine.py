@@ -8,6 +8,7 @@ there is none. The others check what fails before any model loads.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import urllib.request
 
@@ -177,6 +178,24 @@ def test_after_an_optimizer_step_the_server_samples_the_new_adapter(tokenizer, s
     assert [p.name for p in (tmp_path / "adapters").iterdir()] == [policy.model_name]
     policy.close()
     assert policy.model_name not in _listed(server)
+    assert (tmp_path / "adapters").is_dir()  # the caller's folder stays; its adapter goes
+    assert not any((tmp_path / "adapters").iterdir())
+
+
+@needs_server
+def test_the_engines_own_adapter_folder_goes_with_it_even_without_close(tokenizer, server):
+    model = lora(small(tokenizer))
+    policy = policy_for(model, tokenizer, server)
+    policy.generate([prompts(tokenizer)[0]], SAMPLING, seeds=[1])  # writes an adapter there
+    own, name = policy.adapter_dir, policy.model_name
+    assert own.name.startswith("agentenv-adapters-") and any(own.iterdir())
+    del policy  # never closed: a test, a notebook, an exception before close()
+    gc.collect()
+    assert not own.exists()
+    from agentenv.lm.server_engine import _request  # unloaded here, as close() would
+
+    _request(f"{server.url}/unload_lora_adapter", {"lora_name": name}, 10, KEY)
+    assert name not in _listed(server)
 
 
 @needs_server
