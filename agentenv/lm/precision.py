@@ -76,8 +76,8 @@ def cpu_prefers_bf16() -> bool:
     than its float32 ones. On a 2-core Intel Xeon with avx512_bf16 and no AMX (2026-12-02,
     ``python benchmarks/cpu_dtype.py``), float32 ran the quickstart 1.4x faster. So an Intel
     CPU gets bfloat16 with AMX-BF16 only. Elsewhere native bf16 decides: AMD's avx512_bf16
-    (where this project's "bf16" figures were measured; not timed against float32 there)
-    and ARM's BF16 / SVE-BF16 (not timed).
+    (on a 2-core AMD EPYC, 2026-12-03, the same script: bf16 learns 2.5x and samples 1.8x
+    as fast as float32) and ARM's BF16 / SVE-BF16 (not timed).
     """
     if not cpu_supports_bf16():
         return False
