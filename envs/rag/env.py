@@ -63,7 +63,9 @@ class RAGEnv(ToolEnv):
 
         answer_weight    * max(EM, token F1)     best over all gold aliases   (1.0)
       + retrieval_weight * RR(gold document)     among every document the
-                                                  episode retrieved, in order (0.2)
+                                                  episode retrieved, in order (0.2);
+                                                  retrieval_metric="recall": the
+                                                  share of gold documents retrieved
       + format_weight    * well_formed           non-empty and <= max_answer_words
                                                   words, or exactly right      (0.05)
 
@@ -71,7 +73,7 @@ class RAGEnv(ToolEnv):
     scores strictly less than a right one, and ``format_weight < answer_weight`` is
     enforced. Each term is in ``info`` (``reward_answer``, ``reward_retrieval``,
     ``reward_format``) with ``correct`` (EM), ``answer_em``, ``answer_f1``,
-    ``retrieval_rr``, ``format_ok``, ``num_searches``, ``retrieved_doc_ids``,
+    ``retrieval_rr``, ``retrieval_recall``, ``format_ok``, ``num_searches``, ``retrieved_doc_ids``,
     ``gold_doc_ids``, ``gold`` and ``qtype``.
 
     Isolation: the retriever (index, embedding model) is shared, read-only, by every
@@ -108,7 +110,10 @@ class RAGEnv(ToolEnv):
         max_query_chars: Longest query accepted.
         passage_chars: Longest passage text shown.
         answer_weight: Weight of answer correctness.
-        retrieval_weight: Weight of the gold document's reciprocal rank.
+        retrieval_weight: Weight of the retrieval score.
+        retrieval_metric: The retrieval score: ``"rr"`` (the first gold document's
+            reciprocal rank) or ``"recall"`` (the share of gold documents retrieved, at any
+            rank: a bridge question's second hop earns half; for multi-hop training).
         format_weight: Weight of a well-formed answer (< ``answer_weight``).
         max_answer_words: Longest well-formed answer.
         judge: An :class:`agentenv.run.judge.LLMJudge` grading the final answer against the
@@ -152,6 +157,7 @@ class RAGEnv(ToolEnv):
         passage_chars: int = 500,
         answer_weight: float = 1.0,
         retrieval_weight: float = 0.2,
+        retrieval_metric: str = "rr",
         format_weight: float = 0.05,
         max_answer_words: int = 10,
         judge: Any = None,
@@ -167,7 +173,7 @@ class RAGEnv(ToolEnv):
         self.default_k, self.max_k, self.max_searches = default_k, max_k, max_searches
         self.max_query_chars, self.passage_chars = max_query_chars, passage_chars
         self.weights = RewardWeights(
-            answer_weight, retrieval_weight, format_weight, max_answer_words
+            answer_weight, retrieval_weight, format_weight, max_answer_words, retrieval_metric
         )
         if judge is not None and not hasattr(judge, "score_batch"):
             raise InvalidOptionError(

@@ -1,12 +1,15 @@
 """Answer and retrieval scoring for the RAG env.
 
-``reward = answer * max(EM, F1) + retrieval * RR + format * well_formed`` where
+``reward = answer * max(EM, F1) + retrieval * R + format * well_formed`` where
 
 * EM / F1 -- normalised exact match and token F1 (SQuAD-style normalisation:
   lowercase, punctuation and the articles a/an/the removed, whitespace collapsed),
   each the best over all gold aliases;
-* RR -- reciprocal rank of the first gold document in the episode's retrieved
-  documents (every search's hits in order, each document counted once; 0 if none);
+* R -- by default (``retrieval_metric="rr"``) the reciprocal rank of the first gold
+  document in the episode's retrieved documents (every search's hits in order, each
+  document counted once; 0 if none); with ``retrieval_metric="recall"`` the share of the
+  gold documents retrieved at any rank, which pays a multi-hop question's later hops too
+  (a bridge question's first search alone earns half);
 * well_formed -- the answer is non-empty and at most ``max_answer_words`` words, or is
   exactly right. Being right implies being well formed, so with equal retrieval a
   wrong answer always scores strictly less than a right one; and ``format`` must be
@@ -62,21 +65,34 @@ def first_gold_rr(retrieved_doc_ids: Sequence[str], gold_doc_ids: Iterable[str])
     return 0.0
 
 
+def gold_recall(retrieved_doc_ids: Sequence[str], gold_doc_ids: Sequence[str]) -> float:
+    """The share of ``gold_doc_ids`` among ``retrieved_doc_ids`` (at any rank), or 0.0."""
+    gold = set(gold_doc_ids)
+    return len(gold & set(retrieved_doc_ids)) / len(gold) if gold else 0.0
+
+
+RETRIEVAL_METRICS = ("rr", "recall")
+
+
 @dataclass(frozen=True)
 class RewardWeights:
     """Weights of the reward terms (see the module docstring).
 
     Attributes:
         answer: Weight of ``max(EM, F1)``.
-        retrieval: Weight of the gold document's reciprocal rank.
+        retrieval: Weight of the retrieval score (``retrieval_metric``).
         format: Weight of a non-empty, short answer; must be < ``answer``.
         max_answer_words: Longest answer (in words) that counts as well formed.
+        retrieval_metric: ``"rr"``: the first gold document's reciprocal rank (one hop
+            found early earns it all); ``"recall"``: the share of gold documents retrieved
+            (each hop of a multi-hop question earns its share, whatever its rank).
     """
 
     answer: float = 1.0
     retrieval: float = 0.2
     format: float = 0.05
     max_answer_words: int = 10
+    retrieval_metric: str = "rr"
 
     def __post_init__(self) -> None:
         for name in ("answer", "retrieval", "format"):
@@ -92,6 +108,11 @@ class RewardWeights:
             )
         if self.max_answer_words < 1:
             raise InvalidOptionError(f"max_answer_words must be >= 1, got {self.max_answer_words}")
+        if self.retrieval_metric not in RETRIEVAL_METRICS:
+            raise InvalidOptionError(
+                f"retrieval_metric must be one of {', '.join(map(repr, RETRIEVAL_METRICS))}, "
+                f"got {self.retrieval_metric!r}"
+            )
 
 
 def score_answer(
@@ -105,19 +126,22 @@ def score_answer(
 
     Returns:
         ``(reward, info)`` with ``correct`` (EM), ``answer_em``, ``answer_f1``,
-        ``retrieval_rr``, ``format_ok``, the weighted terms ``reward_answer``,
-        ``reward_retrieval``, ``reward_format`` (which sum to ``reward``) and
+        ``retrieval_rr``, ``retrieval_recall`` (both, whichever the reward uses),
+        ``format_ok``, the weighted terms ``reward_answer``, ``reward_retrieval``,
+        ``reward_format`` (which sum to ``reward``) and
         ``reward_components``, the unweighted ``answer`` / ``retrieval`` / ``format`` scores
         (for a trainer's ``reward_combination`` other than the weighted sum).
     """
     em = exact_match(answer, golds)
     f1 = token_f1(answer, golds)
     rr = first_gold_rr(retrieved_doc_ids, gold_doc_ids)
+    recall = gold_recall(retrieved_doc_ids, gold_doc_ids)
+    retrieval = recall if weights.retrieval_metric == "recall" else rr
     words = len(answer.split())
     format_ok = em == 1.0 or 1 <= words <= weights.max_answer_words
     terms = {
         "reward_answer": weights.answer * max(em, f1),
-        "reward_retrieval": weights.retrieval * rr,
+        "reward_retrieval": weights.retrieval * retrieval,
         "reward_format": weights.format * float(format_ok),
     }
     info: dict[str, Any] = {
@@ -125,11 +149,12 @@ def score_answer(
         "answer_em": em,
         "answer_f1": f1,
         "retrieval_rr": rr,
+        "retrieval_recall": recall,
         "format_ok": format_ok,
         **terms,
         "reward_components": {
             "answer": max(em, f1),
-            "retrieval": rr,
+            "retrieval": retrieval,
             "format": float(format_ok),
         },
     }

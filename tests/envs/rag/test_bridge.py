@@ -285,3 +285,24 @@ def test_each_step_reports_the_gold_articles_its_searches_found_first(bridge_env
         finals.append(SimpleNamespace(info=infos[-1]))
     assert seen["plain"] and seen["requery"]
     assert retrieval_stats(finals) == {"requery_after_miss_rate": 1.0, "second_hop_recall": 1.0}
+
+
+def test_recall_retrieval_reward_pays_the_second_hop_where_rr_cannot(bridge_env):
+    """``retrieval_metric="recall"``: an answer after the first hop alone earns half the
+    retrieval term, after both hops all of it; the default reciprocal rank pays both the
+    same (the first search finds the named article at rank 1)."""
+    recall_env = RAGEnv(question_types="bridge", chroma="memory", retrieval_metric="recall")
+    assert recall_env.retriever is bridge_env.retriever  # reward settings share the index
+    for env, one_hop, two_hops in [(bridge_env, 0.2, 0.2), (recall_env, 0.1, 0.2)]:
+        for i in range(6):
+            env.reset(options={"task_id": i})
+            demo = env.demonstration(env.task)
+            *searches, _ = demo[-3:]  # the two hop searches (after any missed one)
+            env.reset(options={"task_id": i})
+            info = [env.step(a)[4] for a in [searches[0], "<answer>no idea</answer>"]][-1]
+            assert info["reward_retrieval"] == pytest.approx(one_hop)
+            assert (info["retrieval_rr"], info["retrieval_recall"]) == (1.0, 0.5)
+            env.reset(options={"task_id": i})
+            info = [env.step(a)[4] for a in [*searches, "<answer>no idea</answer>"]][-1]
+            assert info["reward_retrieval"] == pytest.approx(two_hops)
+            assert info["retrieval_recall"] == 1.0 and info["reward_answer"] == 0.0
