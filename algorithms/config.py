@@ -25,6 +25,7 @@ REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
 CREDITS = ("bandit", "turn", "gae")
 TURN_BASELINES = ("group", "index")  # what a turn's return is compared with under credit=turn
+CRITIC_INPUTS = ("learner", "sampler")  # where credit=gae's critic reads its hidden states
 VALUE_LR = 1e-3  # the critic's AdamW LR: a linear head on fixed features learns fast
 
 # What None means for the two settings whose good value depends on the algorithm (declared
@@ -224,6 +225,15 @@ class GRPOConfig(TrainerConfig):
         "credit=gae: the critic's full-batch optimizer steps on each batch's turns (its "
         "input, the policy's hidden states, is computed once per step).",
     )
+    critic_input: str = option(
+        "learner",
+        "credit=gae: where the critic's input, the policy's hidden state before each turn, "
+        "comes from. learner: one no-grad forward of the batch under the pre-update weights "
+        "(a quarter of gae's learn phase on a CPU). sampler: the states the sampler computed "
+        "when it drew each turn's first token (Episode.turn_hidden): no forward, the same "
+        "weights through the sampler's kernels, so the values differ by rounding and the "
+        "run's numbers with them; engines that record none (vllm, server) are refused.",
+    )
     entropy_coef: float = option(
         0.0,
         "Entropy bonus: the loss minus entropy_coef x the policy tokens' entropy, aggregated "
@@ -248,6 +258,7 @@ class GRPOConfig(TrainerConfig):
             "reward_combination": REWARD_COMBINATIONS,
             "credit": CREDITS,
             "turn_baseline": TURN_BASELINES,
+            "critic_input": CRITIC_INPUTS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

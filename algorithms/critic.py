@@ -3,7 +3,8 @@
 :class:`Critic` predicts, from the hidden state before a policy turn (the one that
 turn's first token is sampled from, :func:`~algorithms.logprobs.hidden_before`), the
 return from that turn on. GRPO computes those hidden states once per step, with the
-policy's pre-update weights and no gradient, and:
+policy's pre-update weights and no gradient (or, with ``critic_input="sampler"``, takes
+the ones the sampler recorded, ``Episode.turn_hidden``), and:
 
 * the critic's values give each turn's GAE advantage
   (:func:`~algorithms.losses.gae_advantages`);

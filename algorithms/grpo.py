@@ -42,7 +42,8 @@ Design decisions:
   per-index construction is not). A group whose outcomes are all equal but whose turn
   returns differ still teaches under ``turn``.
   ``gae`` asks a critic (:mod:`algorithms.critic`, a value head on the policy's hidden
-  state before each turn, from one extra no-grad forward) for each turn's value and gives
+  state before each turn, from one extra no-grad forward, or with
+  ``critic_input="sampler"`` the states the sampler recorded) for each turn's value and gives
   the turn's tokens its GAE advantage over turns (:func:`~algorithms.losses.gae_advantages`:
   per-turn rewards weighted by ``turn_weight``, the outcome at the last turn, whitened
   over the batch's turns, optionally mixed with the group's outcome advantage by
@@ -127,6 +128,20 @@ def _failed(episode: EpisodeLike) -> bool:
     """Whether an episode ended by a failure (``Episode.failed``: its env raised, or it ran
     past its wall-clock limit); an episode without the attribute did not."""
     return bool(getattr(episode, "failed", False))
+
+
+def _recorded_states(
+    episodes: Sequence[EpisodeLike], idx: list[int], counts: list[int]
+) -> torch.Tensor | None:
+    """The sampler's states before each turn of episodes ``idx`` (``Episode.turn_hidden``,
+    ``counts[r]`` of them each), stacked ``(M, H)`` float32; None if any episode has none."""
+    states: list[torch.Tensor] = []
+    for i, count in zip(idx, counts, strict=True):
+        recorded = getattr(episodes[i], "turn_hidden", None)
+        if recorded is None or len(recorded) != count:
+            return None
+        states += recorded
+    return torch.stack(states).float() if states else None
 
 
 _CLIP_KEYS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -505,25 +520,32 @@ class GRPO(Trainer):
         valid: torch.Tensor,
     ) -> tuple[list[list[list[float]]], dict[str, float]]:
         """``credit="gae"``: each turn's advantage ``[b][g][k]`` from the critic's values
-        of the hidden states before the turns (one no-grad forward per micro-batch, under
-        the pre-update weights), then the critic's fit to the turns' lambda-returns."""
+        of the hidden states before the turns, then the critic's fit to the turns'
+        lambda-returns. The states: with ``critic_input="learner"`` one no-grad forward per
+        micro-batch under the pre-update weights; with ``"sampler"`` the episodes' own
+        ``turn_hidden`` (a micro-batch with an episode that has none runs the forward)."""
         cfg, critic = self.config, self.critic
         assert critic is not None
         hidden: dict[int, torch.Tensor] = {}  # episode -> (K, H), before each of its turns
+        from_sampler = 0  # episodes whose states the sampler recorded
         for mb, idx in zip(batches, rows, strict=True):
             if not idx:
                 continue
-            starts = torch.zeros(mb.input_ids.shape, dtype=torch.bool)  # (N, T)
-            counts = []
-            for r, i in enumerate(idx):
-                spans = _turns(episodes[i])[0]
-                counts.append(len(spans))
-                for start, _ in spans:
-                    starts[r, start] = True
-            with torch.no_grad(), autocast(self.accelerator.device, self.dtype):
-                h = hidden_before(
-                    self.model, mb.input_ids, mb.attention_mask, starts.to(mb.input_ids.device)
-                )  # (M, H), row by row, turn by turn
+            spans = [_turns(episodes[i])[0] for i in idx]
+            counts = [len(s) for s in spans]
+            recorded = _recorded_states(episodes, idx, counts)
+            if cfg.critic_input == "sampler" and recorded is not None:
+                h = recorded  # (M, H), episode by episode, turn by turn
+                from_sampler += len(idx)
+            else:
+                starts = torch.zeros(mb.input_ids.shape, dtype=torch.bool)  # (N, T)
+                for r, row_spans in enumerate(spans):
+                    for start, _ in row_spans:
+                        starts[r, start] = True
+                with torch.no_grad(), autocast(self.accelerator.device, self.dtype):
+                    h = hidden_before(
+                        self.model, mb.input_ids, mb.attention_mask, starts.to(mb.input_ids.device)
+                    )  # (M, H), row by row, turn by turn
             hidden.update(zip(idx, h.split(counts), strict=True))
         g = rewards.shape[1]
         order = sorted(hidden)  # every valid episode is kept under gae
@@ -548,6 +570,8 @@ class GRPO(Trainer):
         )
         flat_targets = torch.tensor([x for i in order for x in targets[i // g][i % g]])
         stats = critic.fit(states, flat_targets, cfg.value_epochs) if order else {}
+        if order:
+            stats["critic/sampler_states"] = from_sampler / len(order)
         return per_turn, stats
 
     def _kl_penalty(

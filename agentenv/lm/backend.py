@@ -15,10 +15,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentenv.config import option
 from agentenv.errors import InvalidOptionError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -176,12 +179,17 @@ class EngineConfig:
 
 @dataclass
 class Generation:
-    """One sampled policy turn: token ids exactly as sampled and their log-probs."""
+    """One sampled policy turn: token ids exactly as sampled and their log-probs.
+
+    ``hidden``: the model's last hidden state at the prompt's last position, ``(H,)``
+    float32, the state the turn's first token was drawn from (:mod:`agentenv.lm.hidden`);
+    the local engines record it, the vLLM and server engines leave it None."""
 
     token_ids: list[int]
     sampler_logprobs: list[float]
     text: str
     finish_reason: str  # "stop" (stop token), "stop_string" or "length"
+    hidden: torch.Tensor | None = None
 
 
 def default_stop_ids(model: Any, tokenizer: Any) -> list[int]:

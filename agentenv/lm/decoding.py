@@ -75,9 +75,10 @@ class DecodingPolicy(Protocol):
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], *, keep_saved: bool = False
-    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
         """KV cache, mask ``(u, L)``, next-token logits ``(u, V)``, next positions ``(u,)``
-        of the distinct prompts, and each prompt's row among them."""
+        of the distinct prompts, each prompt's row among them, and the last hidden states
+        ``(u, H)`` the logits came from (None where not recorded)."""
         ...
 
     def save(
@@ -99,6 +100,7 @@ class _Row:
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # (H,): the state its first token is drawn from
 
 
 class Decoder:
@@ -213,9 +215,12 @@ class Decoder:
 
     def _admit(self) -> None:
         new, self.queued, self._waited = self.queued, [], 0
-        cache, mask, logits, next_pos, index = self.policy.prefill(
+        cache, mask, logits, next_pos, index, hidden = self.policy.prefill(
             [r.prompt for r in new], keep_saved=self.keep_saved
         )
+        if hidden is not None:
+            for row, i in zip(new, index, strict=True):
+                row.hidden = hidden[i]
         logits = logits[:, None]  # (u, 1, V): nothing drafted
         # identical prompts share a slot, unless slots cannot be copied when they split
         # (a cache of sliding windows or recurrent states: every row keeps its own)
@@ -271,7 +276,9 @@ class Decoder:
                 if reason is not None:
                     ended.setdefault(row.prompt + tuple(row.tokens[:-1]), [j, 0, at])[1] += 1
                     text = policy.tokenizer.decode(row.tokens, skip_special_tokens=True)
-                    out.append((row.key, Generation(row.tokens, row.logps, text, reason)))
+                    out.append(
+                        (row.key, Generation(row.tokens, row.logps, text, reason, row.hidden))
+                    )
                     self.live -= 1
                 elif at < min(self._fed, len(drafts)) and t == drafts[at]:
                     taking.append((j, row))  # the draft's key and value are in the cache

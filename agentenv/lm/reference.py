@@ -31,6 +31,7 @@ from agentenv.errors import InvalidOptionError
 from agentenv.lm.attention import cached_forward
 from agentenv.lm.backend import Generation, SamplingConfig, check_batch, stop_and_pad_ids
 from agentenv.lm.draw import has_stop, sample, warpers
+from agentenv.lm.hidden import recording_head_input
 from agentenv.lm.precision import autocast, resolve_dtype
 
 
@@ -106,7 +107,9 @@ class ReferencePolicy:
         self.model.eval()  # no dropout (LoRA's) while sampling
         try:
             cache = DynamicCache()
-            logits = self._forward(ids, mask, cache)  # (n, V): each row's next-token logits
+            with recording_head_input(self.model) as states:
+                logits = self._forward(ids, mask, cache)  # (n, V): each row's next-token logits
+            hidden = states[-1] if states else None  # (n, H): what the logits came from
             while True:
                 running = [i for i in range(n) if reasons[i] is None]
                 rngs = None if generators is None else [generators[i] for i in running]
@@ -126,8 +129,14 @@ class ReferencePolicy:
         finally:
             self.model.train(was_training)
         return [
-            Generation(t, lp, self.tokenizer.decode(t, skip_special_tokens=True), str(r))
-            for t, lp, r in zip(tokens, logps, reasons, strict=True)
+            Generation(
+                t,
+                lp,
+                self.tokenizer.decode(t, skip_special_tokens=True),
+                str(r),
+                None if hidden is None else hidden[i],
+            )
+            for i, (t, lp, r) in enumerate(zip(tokens, logps, reasons, strict=True))
         ]
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:

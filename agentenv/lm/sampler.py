@@ -77,6 +77,7 @@ from agentenv.lm.backend import (
     stop_and_pad_ids,
 )
 from agentenv.lm.decoding import Decoder, drain, merge_caches, plain_layers
+from agentenv.lm.hidden import recording_head_input
 from agentenv.lm.models import limit_onednn_cache
 from agentenv.lm.precision import resolve_dtype
 from agentenv.lm.weights import (
@@ -323,11 +324,13 @@ class TransformersPolicy:
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], *, keep_saved: bool = False
-    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
         """Run every distinct prompt through the model once; return the KV cache, the
         attention mask ``(u, L)`` over its slots, the next-token logits ``(u, V)`` and next
-        positions ``(u,)`` of the ``u`` distinct prompts, and for each prompt the row that
-        holds it (identical prompts, a GRPO group's first turn, share one).
+        positions ``(u,)`` of the ``u`` distinct prompts, for each prompt the row that
+        holds it (identical prompts, a GRPO group's first turn, share one), and the last
+        hidden states ``(u, H)`` (float32, CPU) the logits came from
+        (:mod:`agentenv.lm.hidden`; None for a model without an output embedding).
 
         A prompt that
         extends a sequence this policy generated in its previous call (the same episode's
@@ -376,7 +379,7 @@ class TransformersPolicy:
                 done, shared = [prefix] * u, prefix
         rest = [list(p[k:]) for p, k in zip(firsts, done, strict=True)]
         if len(groups) == 1:
-            cache, mask, logits, next_pos = self._forward_rest(cache, mask, rest)
+            cache, mask, logits, next_pos, hidden = self._forward_rest(cache, mask, rest)
         else:  # each group from its own saved caches, then one batch in the prompts' order
             parts = [
                 self._forward_rest(
@@ -387,22 +390,24 @@ class TransformersPolicy:
             ]
             row_of = {i: j for j, i in enumerate(i for g in groups for i in g)}
             order = [row_of[i] for i in range(u)]  # prompt -> its row among the groups' rows
-            cache, mask = merge_caches(model, [(c, m, None) for c, m, _, _ in parts], order)
+            cache, mask = merge_caches(model, [(c, m, None) for c, m, *_ in parts], order)
             logits = torch.cat([part[2] for part in parts])[torch.tensor(order, device=dev)]
             next_pos = torch.cat([part[3] for part in parts])[order]
+            states = [part[4] for part in parts]
+            hidden = None if any(h is None for h in states) else torch.cat(states)[order]
         if dev.type == "cuda":  # the kernels finished, so the time is theirs
             torch.cuda.synchronize(dev)
         self.prefill_s += time.perf_counter() - start
         self.prefill_tokens += shared + sum(len(r) for r in rest)
-        return cache, mask, logits, next_pos, index
+        return cache, mask, logits, next_pos, index, hidden
 
     def _forward_rest(
         self, cache: Any, mask: torch.Tensor, rest: list[list[int]]
-    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Run each row's new tokens ``rest`` after its cached ones (``cache`` with ``mask``
         ``(n, cached)``; None: nothing cached), left-padded into the gap after the cached
         part; return the cache, its mask ``(n, cached + width)``, the next-token logits
-        ``(n, V)`` and next positions ``(n,)``."""
+        ``(n, V)``, next positions ``(n,)`` and the last hidden states ``(n, H)``."""
         n, width = len(rest), max(len(r) for r in rest)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         new = torch.zeros((n, width), dtype=torch.long)
@@ -411,15 +416,16 @@ class TransformersPolicy:
             new[i, width - len(r) :] = 1
         mask = torch.cat([mask, new], dim=1)  # (n, cached + width)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = cached_forward(
-            self.model,
-            cache if cache is not None else append_cache(self.model),
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions[:, -width:].to(self.device),
-            logits_to_keep=1,
-        )
-        return cache, mask, logits[:, -1], positions[:, -1] + 1
+        with recording_head_input(self.model) as hidden:
+            logits, cache = cached_forward(
+                self.model,
+                cache if cache is not None else append_cache(self.model),
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions[:, -width:].to(self.device),
+                logits_to_keep=1,
+            )
+        return cache, mask, logits[:, -1], positions[:, -1] + 1, hidden[-1] if hidden else None
 
     def _lookup(self, prompt: tuple[int, ...]) -> tuple[tuple[int, ...], list[Any]] | None:
         """The longest saved sequence that ``prompt`` extends (by at least one token)."""

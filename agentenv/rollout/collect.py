@@ -164,7 +164,7 @@ def collect(
         )
 
     def policy_turn(t: _Trajectory, g: Generation) -> None:
-        t.builder.add_policy(g.token_ids, g.sampler_logprobs, g.text)
+        t.builder.add_policy(g.token_ids, g.sampler_logprobs, g.text, g.hidden)
         t.turns += 1
         t.step_rewards.append(0.0)  # filled in when its step returns
         t.turn_rewards.append(0.0)

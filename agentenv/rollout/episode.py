@@ -178,6 +178,11 @@ class Episode:
             step after each turn (0.0 where the env gives none), e.g. "this search
             retrieved a gold article". Not part of ``reward``: turn-level credit
             (``GRPOConfig.credit``) reads it, the bandit default ignores it.
+        turn_hidden: The sampler's last hidden state before each policy turn (``(H,)``
+            float32 each: the state the turn's first token was drawn from), where the
+            engine records it (the local ones do: :mod:`agentenv.lm.hidden`); else None.
+            ``credit="gae"`` with ``critic_input="sampler"`` feeds these to its critic
+            instead of a forward of its own. Not written to the episode logs.
     """
 
     input_ids: list[int]
@@ -193,6 +198,7 @@ class Episode:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     step_rewards: list[float] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
+    turn_hidden: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -212,6 +218,11 @@ class Episode:
                 raise ValueError(
                     f"{name} must have one value per policy turn ({turns}), got {len(values)}"
                 )
+        if self.turn_hidden is not None and len(self.turn_hidden) != turns:
+            raise ValueError(
+                f"turn_hidden must have one state per policy turn ({turns}) or be None, got "
+                f"{len(self.turn_hidden)}"
+            )
 
     @property
     def failed(self) -> bool:
@@ -259,6 +270,7 @@ class EpisodeBuilder:
         self._last_policy: list[int] = []
         self.num_turns = 0
         self.turn_spans: list[tuple[int, int]] = []
+        self.turn_hidden: list[torch.Tensor | None] = []
 
     @property
     def room(self) -> int:
@@ -266,11 +278,17 @@ class EpisodeBuilder:
         return self.max_tokens - len(self.input_ids)
 
     def add_policy(
-        self, token_ids: Sequence[int], sampler_logprobs: Sequence[float], text: str
+        self,
+        token_ids: Sequence[int],
+        sampler_logprobs: Sequence[float],
+        text: str,
+        hidden: torch.Tensor | None = None,
     ) -> None:
-        """Append a policy turn exactly as sampled (``text`` is for display only)."""
+        """Append a policy turn exactly as sampled (``text`` is for display only;
+        ``hidden``: the state its first token was drawn from, if the engine recorded it)."""
         if len(token_ids) != len(sampler_logprobs):
             raise ValueError(f"{len(token_ids)} tokens but {len(sampler_logprobs)} log-probs")
+        self.turn_hidden.append(hidden)
         self.turn_spans.append((len(self.input_ids), len(self.input_ids) + len(token_ids)))
         self.input_ids += list(token_ids)
         self.action_mask += [1] * len(token_ids)
@@ -305,6 +323,11 @@ class EpisodeBuilder:
                     m["content"] = m["content"][: int(len(m["content"]) * keep)] + OVERFLOW_MARKER
         return False
 
+    def _all_hidden(self) -> list[torch.Tensor] | None:
+        """Every turn's hidden state, or None if any turn has none."""
+        states = [h for h in self.turn_hidden if h is not None]
+        return states if len(states) == len(self.turn_hidden) else None
+
     def build(self, **kwargs: Any) -> Episode:
         """The finished :class:`Episode` (``kwargs``: reward, stop_reason, info, ...)."""
         return Episode(
@@ -314,6 +337,7 @@ class EpisodeBuilder:
             num_turns=self.num_turns,
             messages=list(self.messages),
             turn_spans=list(self.turn_spans),
+            turn_hidden=self._all_hidden(),
             **kwargs,
         )
 

@@ -166,6 +166,16 @@ class TrainConfig(CommandConfig):
                 "samples from its own copy of the base, not the 4-bit one trained on; use "
                 "engine agentenv (it decodes a 4-bit model with the reference path)"
             )
+        if (
+            self.grpo.credit == "gae"
+            and self.grpo.critic_input == "sampler"
+            and self.generation.engine in ("vllm", "server")
+        ):
+            raise InvalidOptionError(
+                f"critic_input='sampler' with engine {self.generation.engine}: that engine "
+                "returns no hidden states for the critic; use engine agentenv (or reference), "
+                "or critic_input learner (the learner's own forward)"
+            )
 
     def _trains_adapters(self) -> bool:
         return self.grpo.use_lora

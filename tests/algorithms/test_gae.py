@@ -11,6 +11,7 @@ from toy_episodes import SAMPLING, make_groups
 
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.models import tiny_model as build
+from agentenv.rollout.episode import mask_spans
 from algorithms.batching import MicroBatch
 from algorithms.checkpoint import latest_checkpoint
 from algorithms.config import GRPOConfig
@@ -226,3 +227,78 @@ def test_a_gae_run_resumes_exactly_with_its_critic(tmp_path, tokenizer):
 def test_gae_settings_are_checked(field, value):
     with pytest.raises(InvalidOptionError, match=field):
         config(**{field: value})
+
+
+def _learner_states(model, episodes) -> None:
+    """Give each episode the learner's own hidden states before its turns (what a sampler
+    in float32 records, up to rounding) as ``turn_hidden``."""
+    for ep in episodes:
+        spans = mask_spans(ep.action_mask)
+        marked = torch.zeros(1, len(ep.input_ids), dtype=torch.bool)
+        for start, _ in spans:
+            marked[0, start] = True
+        ids = torch.tensor([ep.input_ids])
+        with torch.no_grad():
+            ep.turn_hidden = list(hidden_before(model, ids, torch.ones_like(ids), marked))
+
+
+def test_critic_input_sampler_reads_the_episodes_states_instead_of_a_forward(
+    tokenizer, monkeypatch
+):
+    """With the learner's own states recorded in the episodes, ``critic_input="sampler"``
+    trains exactly as ``"learner"`` does over two steps (the second one's values come
+    from the critic fitted on the first's states), without calling ``hidden_before``."""
+    steps = [make_groups([[1, 0, 0], [0, 1, 1]], seed=s) for s in range(2)]
+    learner = GRPO(build(tokenizer), tokenizer, config(turn_weight=0.5), sampling=SAMPLING)
+    sampler = GRPO(
+        build(tokenizer), tokenizer, config(turn_weight=0.5, critic_input="sampler"),
+        sampling=SAMPLING,
+    )  # fmt: skip
+    for groups in steps:
+        expected = learner.learn(groups)
+        _learner_states(sampler.model, [ep for g in groups for ep in g])
+        with monkeypatch.context() as m:
+            m.setattr("algorithms.grpo.hidden_before", lambda *a, **k: pytest.fail("forward"))
+            got = sampler.learn(groups)
+        torch.testing.assert_close(
+            torch.tensor(sampler.last_turn_advantages),
+            torch.tensor(learner.last_turn_advantages),
+            atol=1e-5,
+            rtol=0,
+        )
+        assert got["critic/sampler_states"] == 1.0 and expected["critic/sampler_states"] == 0.0
+    assert not torch.equal(torch.tensor(learner.last_turn_advantages[0]), torch.zeros(2))
+    for name, value in sampler.critic.head.state_dict().items():  # type: ignore[union-attr]
+        ref = learner.critic.head.state_dict()[name]  # type: ignore[union-attr]
+        torch.testing.assert_close(value, ref, atol=1e-5, rtol=0)
+
+
+def test_critic_input_sampler_uses_the_recorded_states_and_runs_the_forward_without(
+    tokenizer, monkeypatch
+):
+    """Other recorded states give other values (they are read, not ignored), and a
+    micro-batch with an episode that recorded none runs the learner's forward."""
+    cfg = config(turn_weight=0.5, critic_input="sampler")
+    first, second = make_groups([[1, 0, 0], [0, 1, 1]]), make_groups([[0, 1, 0], [1, 1, 0]], 1)
+    runs, noise = [], torch.Generator().manual_seed(0)
+    for other in (False, True):
+        trainer = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+        for groups in (first, second):
+            episodes = [ep for g in groups for ep in g]
+            _learner_states(trainer.model, episodes)
+            for ep in episodes:  # other states: random ones of the same shape
+                if other:
+                    ep.turn_hidden = [torch.randn(h.shape, generator=noise) for h in ep.turn_hidden]
+            trainer.learn(groups)
+        runs.append(torch.tensor(trainer.last_turn_advantages))
+    assert (runs[0] - runs[1]).abs().max() > 1e-3  # the second step's values differ
+
+    calls = []
+    real = hidden_before
+    monkeypatch.setattr(
+        "algorithms.grpo.hidden_before", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    trainer = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    groups = make_groups([[1, 0, 0], [0, 1, 1]])
+    metrics = trainer.learn(groups)  # toy episodes record no states
+    assert calls and metrics["critic/sampler_states"] == 0.0

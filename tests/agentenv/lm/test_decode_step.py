@@ -56,7 +56,7 @@ def test_direct_step_gives_the_forwards_logits_bitwise(
         monkeypatch.setattr(weights.PackedConcat, "exact", lambda self, rows: False)
     dev = policy.device
     with policy.decoding():
-        cache, mask, logits, pos, _ = policy.prefill(rows(tokenizer))  # mask, pos on the CPU
+        cache, mask, logits, pos, *_ = policy.prefill(rows(tokenizer))  # mask, pos on the CPU
         ref_cache = copy.deepcopy(cache)
         assert mask.shape[0] == 3 and not mask.all()  # gaps before the shorter prompts
         fused = getattr(model.model.layers[0].self_attn, "packed_qkv", None)
@@ -99,7 +99,7 @@ def test_direct_step_of_several_tokens_gives_the_forwards_logits_bitwise(
     policy = TransformersPolicy(on(sharp_model, device), tokenizer, dtype=dtype)
     model, dev = policy.model, policy.device
     with policy.decoding():
-        cache, mask, logits, pos, _ = policy.prefill(rows(tokenizer))
+        cache, mask, logits, pos, *_ = policy.prefill(rows(tokenizer))
         ref_cache = copy.deepcopy(cache)
         for q in (3, 4):
             token = torch.randint(0, 100, (3, q), generator=torch.Generator().manual_seed(q))
@@ -130,7 +130,7 @@ def test_a_hooked_projection_is_called_not_packed(sharp_model, tokenizer, hooked
     handle = module.register_forward_hook(lambda *args: calls.append(1))
     try:
         with policy.decoding():
-            cache, mask, logits, pos, _ = policy.prefill(rows(tokenizer))
+            cache, mask, logits, pos, *_ = policy.prefill(rows(tokenizer))
             ref_cache = copy.deepcopy(cache)
             calls.clear()
             for _ in range(3):
@@ -162,7 +162,7 @@ def test_a_hooked_model_runs_its_own_forward(sharp_model, tokenizer):
     handle = layer.register_forward_hook(lambda *args: calls.append(1))
     try:
         with policy.decoding():
-            cache, mask, logits, pos, _ = policy.prefill(rows(tokenizer))
+            cache, mask, logits, pos, *_ = policy.prefill(rows(tokenizer))
             calls.clear()
             token = logits.argmax(-1)[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

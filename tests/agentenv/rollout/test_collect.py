@@ -10,6 +10,7 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 import agentenv
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.backend import SamplingConfig
+from agentenv.lm.reference import ReferencePolicy
 from agentenv.lm.sampler import TransformersPolicy
 from agentenv.rollout.collect import collect
 from agentenv.rollout.config import RolloutConfig
@@ -386,3 +387,37 @@ def test_an_episode_past_its_time_limit_ends_without_waiting_for_its_env(tiny_mo
     assert stuck.stop_reason == "timeout" and stuck.num_turns == 1
     others = [e.stop_reason for g in groups for e in g if e is not stuck]
     assert others == ["max_turns"] * 5, others
+
+
+@pytest.mark.parametrize("engine", ["lockstep", "continuous", "reference"])
+def test_each_turn_records_the_hidden_state_its_first_token_was_drawn_from(
+    tiny_model, tokenizer, engine
+):
+    """``Episode.turn_hidden``: what the sampler's LM head read before each turn's first
+    token is the learner's hidden state at that turn's start (``hidden_before``, float32),
+    and not its neighbour's."""
+    from algorithms.logprobs import hidden_before
+
+    config = RolloutConfig(
+        group_size=3, max_turns=3, sampling=ENGINE_SAMPLING, show_progress=False,
+        batching="continuous" if engine == "continuous" else "lockstep",
+    )  # fmt: skip
+    policy = (
+        ReferencePolicy(tiny_model, tokenizer, dtype="float32")
+        if engine == "reference"
+        else TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    )
+    groups, _ = collect(make_env, [4, 9], policy, ChatFormat(tokenizer), config, sample_seed=7)
+    episodes = [e for g in groups for e in g]
+    assert sum(e.num_turns for e in episodes) >= 12  # most episodes take several turns
+    for e in episodes:
+        assert e.turn_hidden is not None and len(e.turn_hidden) == e.num_turns
+        ids = torch.tensor([e.input_ids])
+        for shift, same in ((0, True), (1, False)):
+            marked = torch.zeros(ids.shape, dtype=torch.bool)
+            for start, _ in e.turn_spans:
+                marked[0, start + shift] = True
+            with torch.no_grad():
+                expected = hidden_before(tiny_model, ids, torch.ones_like(ids), marked)
+            close = torch.allclose(torch.stack(e.turn_hidden), expected, atol=1e-4, rtol=0)
+            assert close == same, (shift, e.turn_spans)

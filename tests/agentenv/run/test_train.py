@@ -210,6 +210,11 @@ def test_config_file_and_flags_deep_merge_with_one_owner_per_value(tmp_path):
         ("rollout: {sampling: {temperature: 0}}\n", "temperature must be > 0 for training"),
         ("grpo: {loss_type: ppo}\n", "loss_type must be one of"),
         ("dtype: float64\n", "float64"),
+        ("grpo: {critic_input: both}\n", "critic_input must be one of .*'learner', 'sampler'"),
+        (
+            "grpo: {credit: gae, critic_input: sampler}\ngeneration: {engine: vllm}\n",
+            "critic_input='sampler' with engine vllm.*use engine agentenv",
+        ),
     ],
 )
 def test_bad_config_keys_and_values_name_the_key_and_the_fix(tmp_path, text, message):
@@ -455,8 +460,9 @@ def _length_reward_env(**kwargs):  # noqa: ANN003, ANN202
         {"reward_clip": 0.5, "advantage_norm": "mean_only"},
         {"credit": "turn"},
         {"credit": "gae", "gae_mix": 0.5},
+        {"credit": "gae", "critic_input": "sampler"},
     ],
-    ids=["default", "median", "global", "clip", "turn", "gae"],
+    ids=["default", "median", "global", "clip", "turn", "gae", "gae_sampler_states"],
 )
 def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkeypatch, grpo):
     from algorithms.grpo import GRPO
@@ -494,6 +500,9 @@ def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkey
     ]
     assert [e["step_rewards"] for e in logged] == [ep.step_rewards for ep in episodes]
     assert [e["reward"] for e in logged] == [ep.reward for g in groups for ep in g]
+    if grpo.get("critic_input") == "sampler":  # the critic read every episode's own states
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+        assert [m["critic/sampler_states"] for m in metrics if "critic/sampler_states" in m] == [1]
     if grpo.get("reward_clip"):  # what the loop wrote before: advantages of unclipped rewards
         rewards = torch.tensor([[ep.reward for ep in g] for g in groups])
         assert compute_advantages(rewards, "mean_only").flatten().tolist() != pytest.approx(want)
