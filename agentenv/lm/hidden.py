@@ -22,8 +22,8 @@ import torch
 
 @contextlib.contextmanager
 def recording_head_input(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Within the block, every call of ``model``'s LM head appends its input at the last
-    position, ``(n, H)`` float32 on the CPU, to the yielded list (nothing for a model
+    """Within the block, every call of ``model``'s LM head appends a copy of its input at
+    the last position, ``(n, H)`` float32 on the CPU, to the yielded list (nothing for a model
     without an output embedding). The head sees only the positions whose logits are kept,
     so with ``logits_to_keep=1`` that is each row's last token's state."""
     seen: list[torch.Tensor] = []
@@ -34,7 +34,8 @@ def recording_head_input(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]
         return
 
     def record(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        seen.append(args[0][:, -1].detach().float().cpu())
+        # a copy: the head's input is a view of the whole forward's last hidden states
+        seen.append(args[0][:, -1].detach().to("cpu", torch.float32, copy=True))
 
     handle = head.register_forward_pre_hook(record)
     try:
