@@ -533,8 +533,10 @@ class GRPO(Trainer):
                 continue
             spans = [_turns(episodes[i])[0] for i in idx]
             counts = [len(s) for s in spans]
-            recorded = _recorded_states(episodes, idx, counts)
-            if cfg.critic_input == "sampler" and recorded is not None:
+            recorded = (  # stacked only when read: the learner default skips the copy
+                _recorded_states(episodes, idx, counts) if cfg.critic_input == "sampler" else None
+            )
+            if recorded is not None:
                 h = recorded  # (M, H), episode by episode, turn by turn
                 from_sampler += len(idx)
             else:
