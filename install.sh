@@ -5,13 +5,16 @@
 # With a virtual environment active (VIRTUAL_ENV set), installs into that one instead.
 # A venv because a distribution's python3 refuses `pip install` into itself (PEP 668).
 #   bash install.sh --vllm      # also .venv-vllm/: vLLM's OpenAI server for --engine server
+#   bash install.sh --qlora     # also bitsandbytes, for --quantize nf4 (QLoRA)
 set -euo pipefail
 cd "$(dirname "$0")"
 WITH_VLLM=0
+WITH_QLORA=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) WITH_VLLM=1 ;;
-    *) echo "install.sh: unknown argument $arg (known: --vllm)" >&2; exit 2 ;;
+    --qlora) WITH_QLORA=1 ;;
+    *) echo "install.sh: unknown argument $arg (known: --vllm, --qlora)" >&2; exit 2 ;;
   esac
 done
 
@@ -59,10 +62,15 @@ fi
 "$PY" -m pip install --no-deps "verl==0.9.1" "ray==2.60.0" "tensordict==0.8.3" \
   "hydra-core==1.4.0rc1" "codetiming==1.4.0" \
   || echo "install.sh: verl did not install; the verl tests will skip"
-# bitsandbytes for --quantize nf4 (QLoRA), --no-deps: it needs only torch, numpy and packaging,
-#    already here; its wheel carries the CPU library (the QLoRA tests skip without it)
-"$PY" -m pip install --no-deps "bitsandbytes==0.50.2" \
-  || echo "install.sh: bitsandbytes did not install; --quantize and its tests will skip"
+# optional (--qlora): bitsandbytes for --quantize nf4, --no-deps: it needs only torch, numpy
+#    and packaging, already here; its wheel carries the CPU library (the QLoRA tests skip
+#    without it). Not by default: peft imports it whenever it is installed, and on a CPU
+#    with avx512_bf16 its import asks the Hugging Face Hub for a kernel (kernels-community)
+#    that agentenv never uses, on every run (docs/training.md#qlora-a-4-bit-base).
+if [ "$WITH_QLORA" = 1 ]; then
+  "$PY" -m pip install --no-deps "bitsandbytes==0.50.2" \
+    || echo "install.sh: bitsandbytes did not install; --quantize and its tests will skip"
+fi
 # 5. optional (--vllm): vLLM, agentenv and TRL in a venv of their own, .venv-vllm/: vLLM's
 #    OpenAI server for --engine server, --engine vllm (docs/training.md#engines), and TRL
 #    with use_vllm for benchmarks/grpo_step.py --engines vllm.

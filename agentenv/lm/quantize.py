@@ -35,7 +35,7 @@ from typing import Any
 from agentenv.errors import InvalidOptionError
 
 QUANTIZATIONS = ("nf4",)
-INSTALL = 'pip install "bitsandbytes>=0.48" (or pip install -e ".[qlora]")'
+INSTALL = 'bash install.sh --qlora (or pip install "bitsandbytes>=0.48")'
 
 
 def check_quantize(quantize: str | None, use_lora: bool = True) -> None:

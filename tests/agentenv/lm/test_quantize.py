@@ -25,7 +25,7 @@ def test_bad_quantize_settings_are_named_before_any_model_loads(monkeypatch):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else real(name)
     )
-    with pytest.raises(InvalidOptionError, match="pip install"):
+    with pytest.raises(InvalidOptionError, match="install.sh --qlora"):
         check_quantize("nf4")
     from agentenv.run.config import TrainConfig
 
@@ -34,7 +34,7 @@ def test_bad_quantize_settings_are_named_before_any_model_loads(monkeypatch):
 
 
 def test_a_4bit_base_is_refused_with_a_full_fine_tune_or_another_engine():
-    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install -e .[qlora])")
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (bash install.sh --qlora)")
     from agentenv.run.config import SFTRunConfig, TrainConfig
 
     with pytest.raises(InvalidOptionError, match="use_lora true"):
@@ -48,7 +48,7 @@ def test_a_4bit_base_is_refused_with_a_full_fine_tune_or_another_engine():
 @pytest.fixture
 def bnb():
     return pytest.importorskip(
-        "bitsandbytes", reason="QLoRA needs bitsandbytes (pip install -e .[qlora])"
+        "bitsandbytes", reason="QLoRA needs bitsandbytes (bash install.sh --qlora)"
     )
 
 
