@@ -33,8 +33,7 @@ def test_bad_quantize_settings_are_named_before_any_model_loads(monkeypatch):
         TrainConfig(model="/no/such/model", quantize="nf4")
 
 
-def test_a_4bit_base_is_refused_with_a_full_fine_tune_or_another_engine():
-    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (bash install.sh --qlora)")
+def test_a_4bit_base_is_refused_with_a_full_fine_tune_or_another_engine(bnb):
     from agentenv.run.config import SFTRunConfig, TrainConfig
 
     with pytest.raises(InvalidOptionError, match="use_lora true"):
