@@ -12,7 +12,9 @@ The recipe is AgileRL's (``TournamentSelection`` and ``Mutations.rl_hyperparam``
   replacement, the fittest of them wins (ties: the lower index). A member may win many.
 * **Slots**: a member chosen as a parent keeps its own slot for its first place; the
   remaining places go to the slots of the members nobody chose (the losers), in index
-  order. So only losers are overwritten, and a winner is never copied onto itself.
+  order. So only losers are overwritten, and a winner is never copied onto itself. A
+  copy gets a fresh lineage id (:mod:`algorithms.population`), which seeds its draws: even
+  unmutated it samples other episodes than its parent, so it does not repeat it.
 * **Mutation**: every new member but the elite, with probability ``mutation_prob``, has
   one hyper-parameter (drawn from ``mutate``, skipping any at 0) multiplied by a factor
   drawn from ``mutation_factors`` and clipped to its bounds.

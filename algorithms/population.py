@@ -19,8 +19,14 @@ trains each on its share of the tasks, the gradients reduced as in a plain run.
 
 :meth:`Population.copy` makes one member a copy of another (weights, optimizer state,
 schedule, critic and scaler, all deep copies: no tensor is shared afterwards) with new
-hyper-parameters; :meth:`Population.save` / :meth:`Population.load` write and restore the
-whole population atomically (one plain checkpoint per member plus ``population.json``).
+hyper-parameters and a fresh **lineage id**. Each member has one: its slot index at the
+start, then the next unused id for every copy. A member's sampling draws are seeded by its
+lineage id (:func:`agentenv.run.population.member_sample_seed`), so a copy, even one
+without a mutation, draws other episodes than its parent from its first step: without
+that, an unmutated copy would have its parent's weights, settings and draws and repeat
+it step for step. :meth:`Population.save` / :meth:`Population.load` write and restore the
+whole population atomically (one plain checkpoint per member plus ``population.json``,
+which holds the lineage ids, so a resumed run draws as an uninterrupted one).
 """
 
 from __future__ import annotations
@@ -69,12 +75,14 @@ def set_peak_lr(scheduler: Any, learning_rate: float) -> None:
 @dataclass
 class Member:
     """One member: its adapter weights (the trainer's trainable parameters, in order; stale
-    while it is the active one), what it owns of the trainer's state, its hyper-parameters
-    and the fitness measured at each evolution."""
+    while it is the active one), what it owns of the trainer's state, its hyper-parameters,
+    its lineage id (what seeds its draws; a copy gets a fresh one) and the fitness measured
+    at each evolution."""
 
     hyperparameters: dict[str, float]
     weights: list[torch.Tensor]
     own: dict[str, Any]
+    lineage_id: int
     fitness: list[float] = field(default_factory=list)
 
 
@@ -118,7 +126,8 @@ class Population:
                 }
             set_peak_lr(own["scheduler"], hp["learning_rate"])
             weights = [p.detach().clone() for p in trainer._params]
-            self.members.append(Member(dict(hp), weights, own))
+            self.members.append(Member(dict(hp), weights, own, lineage_id=index))
+        self.next_lineage_id = len(self.members)  # the id the next copy gets
         self.active: int | None = None
         self.activate(0)
 
@@ -175,7 +184,8 @@ class Population:
     @torch.no_grad()
     def copy(self, source: int, target: int, hyperparameters: dict[str, float]) -> None:
         """Make member ``target`` a copy of member ``source`` (weights, optimizer state,
-        schedule, critic, scaler; deep copies) with ``hyperparameters``."""
+        schedule, critic, scaler; deep copies) with ``hyperparameters`` and a fresh lineage
+        id (``source == target``: only the new hyper-parameters, the same id)."""
         self._store()
         src, dst = self.members[source], self.members[target]
         if source != target:
@@ -185,6 +195,8 @@ class Population:
                 if src.own[name] is not None:
                     dst.own[name].load_state_dict(copy.deepcopy(src.own[name].state_dict()))
             dst.fitness = list(src.fitness)
+            dst.lineage_id = self.next_lineage_id  # its own draws from now on
+            self.next_lineage_id += 1
             if self.active == target:  # its weights are live: put the copy in
                 for live, stored in zip(self.trainer._params, dst.weights, strict=True):
                     live.copy_(stored)
@@ -197,8 +209,14 @@ class Population:
         """What ``population.json`` holds besides the members' checkpoints."""
         return {
             "step": self.trainer.step,
+            "next_lineage_id": self.next_lineage_id,
             "members": [
-                {"index": i, "hyperparameters": m.hyperparameters, "fitness": m.fitness}
+                {
+                    "index": i,
+                    "lineage_id": m.lineage_id,
+                    "hyperparameters": m.hyperparameters,
+                    "fitness": m.fitness,
+                }
                 for i, m in enumerate(self.members)
             ],
         }
@@ -229,7 +247,7 @@ class Population:
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore every member (weights, optimizer, schedule, critic, scaler, step, RNG)
-        and its hyper-parameters and fitness from :meth:`save`'s folder; return
+        and its hyper-parameters, lineage id and fitness from :meth:`save`'s folder; return
         ``population.json``'s contents."""
         path = Path(path)
         if checkpoint_step(path) is None or not (path / POPULATION_FILE).is_file():
@@ -246,6 +264,10 @@ class Population:
         for saved, member in zip(state["members"], self.members, strict=True):
             member.hyperparameters = dict(saved["hyperparameters"])
             member.fitness = list(saved["fitness"])
+            member.lineage_id = int(saved.get("lineage_id", saved["index"]))  # older: none
+        self.next_lineage_id = int(
+            state.get("next_lineage_id", max(m.lineage_id for m in self.members) + 1)
+        )
         for index in reversed(range(len(self))):  # member 0 last: its RNG state wins
             self.activate(index)  # its config and optimizer, then its saved state
             load_checkpoint(self.trainer, path / member_dir(index))

@@ -113,6 +113,7 @@ def test_a_saved_population_loads_every_member_exactly(tokenizer, tmp_path):
         pop.trainer.learn(GROUPS)
         pop.members[index].fitness.append(0.1 * index)
     pop.copy(2, 0, hp(8e-3))
+    assert [m.lineage_id for m in pop.members] == [3, 1, 2]
     pop.save(tmp_path / "step_000001", {"lineage": [{"step": 1}]})
     stored = [[w.clone() for w in m.weights] for m in pop.members]
     pop.activate(2)
@@ -133,20 +134,45 @@ def test_a_saved_population_loads_every_member_exactly(tokenizer, tmp_path):
             assert torch.equal(a, b)
         assert other.trainer.scheduler.get_last_lr() == pop.trainer.scheduler.get_last_lr()
     assert [m.fitness for m in other.members] == [[0.2], [0.1], [0.2]]
+    assert [m.lineage_id for m in other.members] == [3, 1, 2]  # the draws resume as they were
+    other.copy(1, 2, hp(1e-3))
+    assert other.members[2].lineage_id == 4  # not an id a member already had
     assert best_member(tmp_path / "step_000001")[1] == 0  # 0.2 ties 2's: the lower index
     assert other.trainer.step == pop.trainer.step == 3
     assert (tmp_path / "step_000001" / "member_1" / "adapter").is_dir()  # plain checkpoints
 
 
-def test_with_gae_each_member_has_its_own_critic(tokenizer):
+def test_with_gae_a_copy_gets_its_parents_trained_critic(tokenizer):
     pop = make_population(tokenizer, lrs=(1e-3, 1e-3), credit="gae")
     critics = [m.own["critic"] for m in pop.members]
     assert critics[0] is not critics[1]
-    pop.activate(1)
-    assert pop.trainer.critic is critics[1]
+    for index in (0, 1):  # each critic fits its own episodes' returns
+        pop.activate(index)
+        assert pop.trainer.critic is critics[index]
+        pop.trainer.learn(make_groups([[1, 0, 0], [0, 1, 1]], seed=index))
+    heads = [c.head.state_dict() for c in critics]
+    assert all(h["linear.weight"].abs().sum() > 0 for h in heads)  # trained off their zeros
+    assert not torch.equal(heads[0]["linear.weight"], heads[1]["linear.weight"])
+    parent = {k: v.clone() for k, v in heads[1].items()}
+    parent_moments = [t.clone() for t in adam_state(critics[1].optimizer)]
     pop.copy(1, 0, hp(1e-3))
-    heads = [c.head.linear.weight for c in critics]
-    assert torch.equal(heads[0], heads[1]) and heads[0].data_ptr() != heads[1].data_ptr()
+    assert all(torch.equal(heads[0][k], parent[k]) for k in parent)  # weight and bias
+    assert heads[0]["linear.weight"].data_ptr() != heads[1]["linear.weight"].data_ptr()
+    copied = adam_state(critics[0].optimizer)
+    assert len(copied) == len(parent_moments) > 0
+    assert all(torch.equal(a, b) for a, b in zip(copied, parent_moments, strict=True))
+    pop.activate(0)
+    assert pop.trainer.critic is critics[0]  # the copy trains its own critic, not the parent's
+
+
+def test_a_copy_gets_a_fresh_lineage_id_and_a_member_kept_in_place_keeps_its_own(tokenizer):
+    pop = make_population(tokenizer)
+    assert [m.lineage_id for m in pop.members] == [0, 1, 2]
+    pop.copy(1, 0, hp(1e-3))  # an unmutated copy: its parent's settings, its own draws
+    pop.copy(1, 2, hp(2e-3))
+    pop.copy(1, 1, hp(3e-3))  # member 1 stays itself with new settings
+    assert [m.lineage_id for m in pop.members] == [3, 1, 4]
+    assert pop.next_lineage_id == 5
 
 
 def test_the_peak_lr_is_set_at_the_schedules_current_point(tokenizer):

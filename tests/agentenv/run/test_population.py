@@ -11,9 +11,15 @@ from agentenv.cli import build_parser, main
 from agentenv.errors import InvalidOptionError
 from agentenv.run.config import TrainConfig
 from agentenv.run.export import resolve_checkpoint
-from agentenv.run.population import read_lineage, start_hyperparameters
+from agentenv.run.population import (
+    TaskSplit,
+    member_sample_seed,
+    read_lineage,
+    start_hyperparameters,
+    validation_slice,
+)
 from agentenv.run.tracking import read_metrics
-from agentenv.run.train import train
+from agentenv.run.train import sampling_seed, task_share, train
 from algorithms.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
@@ -87,7 +93,8 @@ def test_a_population_run_evolves_logs_its_lineage_and_resumes_exactly(tiny_mode
     ]
 
     # a run killed after step 1's checkpoint, resumed (an evolution after step 2): the
-    # same weights and lineage
+    # same weights and lineage (the copies made at step 1 draw with their restored lineage
+    # ids; with the slots' ids instead the weights differ)
     split = tmp_path / "split"
     shutil.copytree(whole, split)
     for step in (2, 3):
@@ -109,6 +116,142 @@ def test_a_population_run_evolves_logs_its_lineage_and_resumes_exactly(tiny_mode
     out = tmp_path / "exported"
     assert main(["export", str(ckpt), str(out)]) == 0
     assert (out / "config.json").is_file() and f"member_{best}" in (out / "README.md").read_text()
+
+
+def test_the_population_json_and_lineage_keep_each_members_lineage_id(tiny_model_dir, tmp_path):
+    """population.json and lineage.jsonl hold the ids the members draw with (what a resume
+    restores): every copy a fresh one."""
+    run = train(config=config(tiny_model_dir, tmp_path / "run", steps=2))
+    (record,) = read_lineage(run)
+    state = json.loads((run / "checkpoints/step_000001/population.json").read_text())
+    ids = [m["lineage_id"] for m in state["members"]]
+    assert ids == [c["lineage_id"] for c in record["children"]] and len(set(ids)) == 3
+    copies = [c for c in record["children"] if c["parent"] != c["slot"]]
+    assert copies and all(c["lineage_id"] >= 3 for c in copies)  # fresh ids, not 0-2
+    assert state["next_lineage_id"] == 3 + len(copies)
+
+
+class Recorder:
+    """Stands in for ``collect`` and records, per call, the tasks the env really reset to
+    (whatever picked them: a seed or a task_id option), the sample seed and the tokens."""
+
+    def __init__(self, collect):
+        self.collect, self.calls = collect, []
+
+    def __call__(self, make_env, seeds, policy, fmt, config, *, options=None, sample_seed=None):
+        groups, metrics = self.collect(
+            make_env, seeds, policy, fmt, config, options=options, sample_seed=sample_seed
+        )
+        env = make_env()
+        opts = options or [None] * len(seeds)
+        tasks = [
+            env.reset(seed=s, options=o)[1]["task_id"] for s, o in zip(seeds, opts, strict=True)
+        ]
+        env.close()
+        self.calls.append(
+            {
+                "training": config.group_size > 1,  # fitness collects one episode per task
+                "seeds": list(seeds),
+                "tasks": tasks,
+                "sample_seed": sample_seed,
+                "tokens": [e.input_ids for g in groups for e in g],
+            }
+        )
+        return groups, metrics
+
+
+NUM_TASKS, HELD_OUT = 12, 3  # a train split small enough that training would hit the slice
+
+
+@pytest.fixture(scope="module")
+def twins_run(tiny_model_dir, tmp_path_factory):
+    """Two members, an evolution after each of 4 steps, never a mutation: every evolution
+    makes the loser an unmutated copy of the winner (a twin, before lineage ids)."""
+    import agentenv.rollout.collect as collect_module
+    import agentenv.run.evaluate as evaluate_module
+
+    recorder = Recorder(collect_module.collect)
+    out = tmp_path_factory.mktemp("twins")
+    cfg = config(
+        tiny_model_dir,
+        out,
+        steps=4,
+        batch_size=4,
+        env_kwargs={**ENV, "num_tasks": NUM_TASKS},
+        evolution={
+            "population": 2,
+            "evolve_every": 1,
+            "validation_tasks": HELD_OUT,
+            "mutation_prob": 0.0,
+            "member_start": {"learning_rate": [1e-3, 1e-2]},
+        },
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(collect_module, "collect", recorder)
+        mp.setattr(evaluate_module, "collect", recorder)  # fitness: evaluate on the slice
+        run = train(config=cfg)
+    return run, recorder.calls
+
+
+def test_an_unmutated_copy_draws_other_episodes_than_its_parent(twins_run):
+    run, calls = twins_run
+    training = [c for c in calls if c["training"]]
+    assert len(training) == 4 * 2  # 4 steps, 2 members each, in member order
+    for record in read_lineage(run):  # after steps 1, 2, 3
+        (copy,) = [c for c in record["children"] if c["parent"] != c["slot"]]
+        assert copy["mutation"] == {}  # the same weights, optimizer and settings
+        step = record["step"]  # the next step's collections, by slot
+        parent, child = training[2 * step + copy["parent"]], training[2 * step + copy["slot"]]
+        assert parent["tasks"] == child["tasks"] and parent["seeds"] == child["seeds"]
+        assert parent["sample_seed"] != child["sample_seed"]
+        assert parent["tokens"] != child["tokens"]  # not its parent's episodes again
+    # lineage 0 draws a plain run's seeds; the others their own
+    assert training[0]["sample_seed"] == sampling_seed(0, 0)
+    assert training[1]["sample_seed"] == member_sample_seed(sampling_seed(0, 0), 1)
+
+
+def test_no_fitness_task_is_ever_drawn_for_training(twins_run):
+    _, calls = twins_run
+    held_out = set(validation_slice(NUM_TASKS, HELD_OUT))
+    fitness = [c for c in calls if not c["training"]]
+    assert len(fitness) == 4 * 2  # after every step, each member
+    assert all(set(c["tasks"]) == held_out for c in fitness)
+    trained = {t for c in calls if c["training"] for t in c["tasks"]}
+    assert not trained & held_out
+    assert len(trained) > NUM_TASKS - HELD_OUT - 3  # 16 draws reach most of the other 9
+    # and over many steps: every draw maps to a task outside the slice, all of them reached
+    split = TaskSplit(NUM_TASKS, validation_slice(NUM_TASKS, HELD_OUT))
+    drawn = [
+        t
+        for step in range(2000)
+        for rank in (0, 1)
+        for t in (o["task_id"] for o in split.training_options(task_share(0, step, 4, rank, 2)))
+    ]
+    assert set(drawn) == set(range(NUM_TASKS)) - held_out
+
+
+def test_fitness_episodes_are_seeded(twins_run):
+    """Every fitness measurement draws from the same seed: members and evolutions compare."""
+    _, calls = twins_run
+    fitness = [c for c in calls if not c["training"]]
+    assert len({c["sample_seed"] for c in fitness}) == 1
+    assert all(c["seeds"] == fitness[0]["seeds"] for c in fitness)
+
+
+def test_the_validation_slice_and_the_training_tasks_by_hand():
+    split = TaskSplit(10, (2, 5, 6))  # training tasks: 0 1 3 4 7 8 9
+    assert [split.training_task(s) for s in range(10)] == [0, 1, 3, 4, 7, 8, 9, 0, 1, 3]
+    assert split.training_options([2, 13]) == [{"task_id": 3}, {"task_id": 9}]  # 13 % 7 = 6
+    assert validation_slice(10, 3) == validation_slice(10, 3) == (2, 5, 7)  # no seed, no state
+    assert len(validation_slice(2000, 64)) == 64
+    with pytest.raises(InvalidOptionError, match="below 12"):
+        validation_slice(12, 12)
+
+
+def test_a_plain_run_keeps_its_sampling_seed():
+    seed = sampling_seed(0, 3)
+    assert member_sample_seed(seed, 0) == seed  # lineage 0: a plain run's draws
+    assert len({member_sample_seed(seed, i) for i in range(100)}) == 100
 
 
 def test_evolve_every_0_trains_the_members_independently(tiny_model_dir, tmp_path):
