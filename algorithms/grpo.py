@@ -36,18 +36,15 @@ Design decisions:
 * **Credit** (``credit``): ``bandit`` (the default) gives every policy token of an
   episode its one advantage. ``turn`` adds to a turn's tokens ``turn_weight`` times its
   return of the env's per-turn rewards (``Episode.turn_rewards``, from that turn on,
-  discounted by ``turn_gamma``) less a baseline, normalised by the std of those returns:
-  ``turn_baseline="group"`` one per group, ``"index"`` one per turn index within the group
-  (:func:`~algorithms.losses.turn_advantages` says why both are unbiased and verl #7244's
-  per-index construction is not). A group whose outcomes are all equal but whose turn
-  returns differ still teaches under ``turn``.
+  discounted by ``turn_gamma``) less one baseline per group, normalised by the std of
+  those returns (:func:`~algorithms.losses.turn_advantages`). A group whose outcomes are
+  all equal but whose turn returns differ still teaches under ``turn``.
   ``gae`` asks a critic (:mod:`algorithms.critic`, a value head on the policy's hidden
   state before each turn, from one extra no-grad forward, or with
   ``critic_input="sampler"`` the states the sampler recorded) for each turn's value and gives
   the turn's tokens its GAE advantage over turns (:func:`~algorithms.losses.gae_advantages`:
   per-turn rewards weighted by ``turn_weight``, the outcome at the last turn, whitened
-  over the batch's turns, optionally mixed with the group's outcome advantage by
-  ``gae_mix``); the critic then fits the turns' lambda-returns. Its advantages are not
+  over the batch's turns); the critic then fits the turns' lambda-returns. Its advantages are not
   group-relative, so no group is dropped for equal outcomes. One process only.
 * **Entropy bonus**: ``- entropy_coef * H`` per policy token, aggregated like the loss; H
   comes from the same checkpointed logits chunks as the log-probs, with its gradient.
@@ -337,8 +334,7 @@ class GRPO(Trainer):
         no_signal = zero_std  # (B,)
         if cfg.credit != "bandit":  # a group whose turns' returns differ still teaches
             turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
-            pools = cfg.turn_baseline if cfg.credit == "turn" else "group"
-            no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma, pools)
+            no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma)
         # failed episodes teach nothing; groups without a signal under a group baseline
         # neither (the critic's advantages under gae are not relative to the group)
         drop = no_signal if group_baseline and cfg.credit != "gae" else torch.zeros_like(no_signal)
@@ -361,14 +357,14 @@ class GRPO(Trainer):
         if cfg.credit == "turn":  # one advantage per turn, on that turn's tokens
             per_turn = turn_advantages(
                 advantages, turn_rewards, valid, cfg.turn_weight, cfg.turn_gamma,
-                cfg.advantage_norm, baseline=cfg.turn_baseline,
+                cfg.advantage_norm,
             )  # fmt: skip
             self.last_turn_advantages = [a for group in per_turn for a in group]
         critic_stats: dict[str, float] = {}
         if cfg.credit == "gae":  # the critic's values before each turn, then its fit
             t_critic = time.perf_counter()
             per_turn, critic_stats = self._critic_advantages(
-                batches, rows, episodes, turn_rewards, rewards_for_advantages, advantages, valid
+                batches, rows, episodes, turn_rewards, rewards_for_advantages, valid
             )
             self.last_turn_advantages = [a for group in per_turn for a in group]
             critic_stats["time/critic_s"] = time.perf_counter() - t_critic
@@ -398,7 +394,10 @@ class GRPO(Trainer):
             metrics["kl"] = kl_stats.get("kl", 0.0)
         metrics["sampler/logprob_abs_diff_mean"] = sums.get("sampler_diff", 0.0) / tokens
         metrics["grad_norm"] = sums.get("grad_norm", 0.0) / iters
-        metrics.update(self._batch_stats(rewards, advantages, zero_std, no_signal, valid, episodes))
+        trained = advantages.flatten()  # (B*G,): one per episode, or one per turn (turn, gae)
+        if self.last_turn_advantages is not None:
+            trained = torch.tensor([a for turns in self.last_turn_advantages for a in turns])
+        metrics.update(self._batch_stats(rewards, trained, zero_std, no_signal, valid, episodes))
         metrics.update(kl_stats)
         metrics.update(component_stats)
         metrics.update(critic_stats)
@@ -418,10 +417,12 @@ class GRPO(Trainer):
     ) -> dict[str, float]:
         """Reward/advantage statistics over the whole batch (all processes, any split).
 
+        ``advantages`` are the values the loss used: ``(B*G,)`` one per episode, or with
+        ``credit`` turn or gae one per policy turn (0 for dropped and failed episodes).
         ``frac_reward_zero_std``: the groups whose valid members' rewards are all equal;
         ``frac_no_signal``: those with no learning signal under the run's credit (with
         ``turn`` or ``gae``, also equal per-turn returns; with ``bandit`` the same)."""
-        r, a = rewards.double(), advantages.double()  # (B, G)
+        r, a = rewards.double(), advantages.double()  # (B, G) and (A,)
         policy_tokens = sum(sum(ep.action_mask) for ep in episodes)
         all_tokens = sum(len(ep.input_ids) for ep in episodes)
         s = self._global(
@@ -437,15 +438,16 @@ class GRPO(Trainer):
                 all_tokens,
                 (~valid).sum(),
                 no_signal.sum(),
+                a.numel(),
             ],
             "sum",
         )
-        n = s[4]
+        n, m = s[4], max(s[11], 1)  # episodes; advantages
         return {
             "rewards/mean": s[0] / n,
             "rewards/std": max(s[1] / n - (s[0] / n) ** 2, 0.0) ** 0.5,
-            "advantages/mean": s[2] / n,
-            "advantages/std": max(s[3] / n - (s[2] / n) ** 2, 0.0) ** 0.5,
+            "advantages/mean": s[2] / m,
+            "advantages/std": max(s[3] / m - (s[2] / m) ** 2, 0.0) ** 0.5,
             "frac_reward_zero_std": s[5] / s[6],
             "frac_no_signal": s[10] / s[6],
             "trainable_ratio": s[7] / s[8],
@@ -516,7 +518,6 @@ class GRPO(Trainer):
         episodes: list[EpisodeLike],
         turn_rewards: list[list[list[float]]],
         rewards: torch.Tensor,
-        group_advantages: torch.Tensor,
         valid: torch.Tensor,
     ) -> tuple[list[list[list[float]]], dict[str, float]]:
         """``credit="gae"``: each turn's advantage ``[b][g][k]`` from the critic's values
@@ -563,12 +564,10 @@ class GRPO(Trainer):
             turn_rewards,
             values,
             valid,
-            group_advantages,
             weight=cfg.turn_weight,
             gamma=cfg.turn_gamma,
             lam=cfg.gae_lambda,
             norm=cfg.advantage_norm,
-            mix=cfg.gae_mix,
         )
         flat_targets = torch.tensor([x for i in order for x in targets[i // g][i % g]])
         stats = critic.fit(states, flat_targets, cfg.value_epochs) if order else {}

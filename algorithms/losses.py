@@ -22,7 +22,6 @@ from algorithms.config import (
     ADVANTAGE_BASELINES,
     ADVANTAGE_NORMS,
     KL_ESTIMATORS,
-    TURN_BASELINES,
     GRPOConfig,
 )
 
@@ -114,7 +113,6 @@ def turn_advantages(
     gamma: float = 1.0,
     norm: str = "mean_std",
     eps: float = 1e-4,
-    baseline: str = "group",
 ) -> list[list[list[float]]]:
     """One advantage per policy turn: ``[b][g][k]`` for turn ``k`` of member ``g`` of group
     ``b``, from the outcome's advantages ``(B, G)`` (:func:`compute_advantages`) and each
@@ -123,47 +121,32 @@ def turn_advantages(
         G[b][g][k] = r[b][g][k] + gamma * G[b][g][k + 1]        (return from turn k on)
         A[b][g][k] = outcome[b, g] + weight * (G[b][g][k] - mean) / (std + eps)
 
-    ``mean`` and ``std`` (population) are taken over the group's ``valid`` members:
+    ``mean`` and ``std`` (population) are taken over every turn of the group's ``valid``
+    members: **one baseline per group**, the same for all its turns. A constant baseline
+    is unbiased, but a return from turn k on holds fewer rewards the later k is, so a
+    later turn's term is lower whatever the turn did (on RAG-v0's bridge questions: a
+    first search's +1.2 on average, the second's -0.7 and an answer's -0.7).
 
-    * ``baseline="group"``: over every turn of them, **one baseline per group**, the same
-      for all its turns. A constant baseline is unbiased, but a return from turn k on
-      holds fewer rewards the later k is, so a later turn's term is lower whatever the
-      turn did (on RAG-v0's bridge questions: a first search's +1.2 on average, the
-      second's -0.7 and an answer's -0.7).
-    * ``baseline="index"``: over the returns at the same turn index ``k``, of the members
-      that reached it. The index is part of the turn's state (its history), so this
-      baseline is still a function of the state, not of the turn's action, and unbiased:
-      it is subtracted from that turn's own return only. (verl #7244's biased
-      construction is another one: per-index normalised *immediate* rewards summed into
-      a return, so an earlier turn's advantage collects one baseline per later turn it
-      takes, and the decision to take another turn is charged the mean per-turn reward.)
-
-    ``mean_only`` does not divide by the std. Turns whose pool's returns are all equal
-    get no turn term (a turn index only one member reached, under ``index``); invalid
-    members (failed episodes) get 0 on every turn, as their outcome advantage is.
+    ``mean_only`` does not divide by the std. A group whose returns are all equal gets no
+    turn term; invalid members (failed episodes) get 0 on every turn, as their outcome
+    advantage is.
     """
     if norm not in ADVANTAGE_NORMS:
         raise InvalidOptionError(f"norm must be one of {ADVANTAGE_NORMS}, got {norm!r}")
-    if baseline not in TURN_BASELINES:
-        raise InvalidOptionError(f"baseline must be one of {TURN_BASELINES}, got {baseline!r}")
     out: list[list[list[float]]] = []
     for b, group in enumerate(turn_rewards):
-        returns, pools = _group_returns(group, valid[b], gamma, baseline)
-        stats = {}
-        for key, kept in pools.items():
-            spread = _differ(kept)
+        returns, kept = _group_returns(group, valid[b], gamma)
+        pool = None
+        if kept.numel() and _differ(kept):
             std = kept.std(correction=0).item() + eps if norm == "mean_std" else 1.0
-            stats[key] = (kept.mean().item(), std) if spread else None
+            pool = (kept.mean().item(), std)
         out.append([])
         for g, rs in enumerate(returns):
             if not valid[b, g]:
                 out[b].append([0.0] * len(rs))
                 continue
-            base, turns = float(outcome[b, g]), []
-            for k, x in enumerate(rs):
-                pool = stats[_pool_key(k, baseline)]
-                turns.append(base + (weight * (x - pool[0]) / pool[1] if pool else 0.0))
-            out[b].append(turns)
+            base = float(outcome[b, g])
+            out[b].append([base + (weight * (x - pool[0]) / pool[1] if pool else 0.0) for x in rs])
     return out
 
 
@@ -171,15 +154,13 @@ def turn_return_spread(
     turn_rewards: Sequence[Sequence[Sequence[float]]],
     valid: torch.Tensor,
     gamma: float = 1.0,
-    baseline: str = "group",
 ) -> torch.Tensor:
-    """``(B,)`` bool: whether some pool of group ``b``'s valid members' per-turn returns
-    (all its turns, or one turn index: ``baseline``) holds different values (else
-    :func:`turn_advantages` gives the group no turn term)."""
+    """``(B,)`` bool: whether group ``b``'s valid members' per-turn returns hold different
+    values (else :func:`turn_advantages` gives the group no turn term)."""
     spread = []
     for b, group in enumerate(turn_rewards):
-        pools = _group_returns(group, valid[b], gamma, baseline)[1]
-        spread.append(any(_differ(kept) for kept in pools.values()))
+        kept = _group_returns(group, valid[b], gamma)[1]
+        spread.append(bool(kept.numel()) and _differ(kept))
     return torch.tensor(spread, dtype=torch.bool)
 
 
@@ -188,23 +169,14 @@ def _differ(kept: torch.Tensor) -> bool:
     return bool((kept != kept[0]).any())
 
 
-def _pool_key(k: int, baseline: str) -> int:
-    """The pool a turn ``k``'s return is compared within: the group's (-1) or its index's."""
-    return k if baseline == "index" else -1
-
-
 def _group_returns(
-    group: Sequence[Sequence[float]], valid: torch.Tensor, gamma: float, baseline: str
-) -> tuple[list[list[float]], dict[int, torch.Tensor]]:
-    """One group's returns per member and turn, and the valid members' returns (float64)
-    in each pool (:func:`_pool_key`)."""
+    group: Sequence[Sequence[float]], valid: torch.Tensor, gamma: float
+) -> tuple[list[list[float]], torch.Tensor]:
+    """One group's returns per member and turn, and every turn's return of its valid
+    members (float64, flat)."""
     returns = [_returns(rewards, gamma) for rewards in group]
-    pools: dict[int, list[float]] = {}
-    for g, rs in enumerate(returns):
-        if valid[g]:
-            for k, x in enumerate(rs):
-                pools.setdefault(_pool_key(k, baseline), []).append(x)
-    return returns, {k: torch.tensor(v, dtype=torch.float64) for k, v in pools.items()}
+    kept = [x for g, rs in enumerate(returns) if valid[g] for x in rs]
+    return returns, torch.tensor(kept, dtype=torch.float64)
 
 
 def _returns(rewards: Sequence[float], gamma: float) -> list[float]:
@@ -243,13 +215,11 @@ def gae_advantages(
     turn_rewards: Sequence[Sequence[Sequence[float]]],
     values: Sequence[Sequence[Sequence[float]]],
     valid: torch.Tensor,
-    group_advantages: torch.Tensor,
     *,
     weight: float,
     gamma: float,
     lam: float,
     norm: str = "mean_std",
-    mix: float = 0.0,
     eps: float = 1e-4,
 ) -> tuple[list[list[list[float]]], list[list[list[float]]]]:
     """Per-turn advantages ``[b][g][k]`` from a critic, and the critic's targets.
@@ -259,12 +229,8 @@ def gae_advantages(
     the critic's ``values[b][g][k]`` gives each turn's advantage and target. ``mean_std``
     then whitens the advantages over every turn of the batch's ``valid`` episodes (PPO's
     and verl's whitening, per turn rather than per token: a turn is one decision);
-    ``mean_only`` leaves them as they are (the critic is the baseline). Last::
-
-        A[b][g][k] = (1 - mix) * A_gae[b][g][k] + mix * group_advantages[b, g]
-
-    ``group_advantages`` ``(B, G)`` being the bandit's (:func:`compute_advantages`).
-    Invalid episodes (failed) get advantage 0 on every turn and no targets (``[]``).
+    ``mean_only`` leaves them as they are (the critic is the baseline). Invalid episodes
+    (failed) get advantage 0 on every turn and no targets (``[]``).
     """
     if norm not in ADVANTAGE_NORMS:
         raise InvalidOptionError(f"norm must be one of {ADVANTAGE_NORMS}, got {norm!r}")
@@ -294,12 +260,7 @@ def gae_advantages(
         mean, scale = kept.mean().item(), kept.std(correction=0).item() + eps
     out = [
         [
-            [
-                (1 - mix) * (a - mean) / scale + mix * float(group_advantages[b, g])
-                if valid[b, g]
-                else 0.0
-                for a in turns
-            ]
+            [(a - mean) / scale if valid[b, g] else 0.0 for a in turns]
             for g, turns in enumerate(group)
         ]
         for b, group in enumerate(raw)

@@ -95,6 +95,7 @@ def make_policy(
     *,
     model_name: str,
     dtype: str | torch.dtype,
+    record_hidden: bool = False,
 ) -> PolicyBackend:
     """The policy backend that samples from ``model`` (the one being trained or evaluated).
 
@@ -105,6 +106,8 @@ def make_policy(
         model_name: The model's alias, Hugging Face id or local folder: vLLM builds its
             own copy of the architecture from it (then takes ``model``'s weights).
         dtype: Compute dtype of sampling.
+        record_hidden: The local engines record each turn's hidden state
+            (``Generation.hidden``, :mod:`agentenv.lm.hidden`); vLLM and a server never do.
     """
     from agentenv.lm.precision import resolve_dtype
 
@@ -119,13 +122,18 @@ def make_policy(
     if engine == "reference":
         from agentenv.lm.reference import ReferencePolicy
 
-        return ReferencePolicy(model, tokenizer, dtype=compute)
+        return ReferencePolicy(model, tokenizer, dtype=compute, record_hidden=record_hidden)
     if engine == "agentenv":
         from agentenv.lm.sampler import TransformersPolicy
 
         off = dict.fromkeys(config.fast_paths_off, False)
         return TransformersPolicy(
-            model, tokenizer, dtype=compute, draft_tokens=config.draft_tokens, **off
+            model,
+            tokenizer,
+            dtype=compute,
+            draft_tokens=config.draft_tokens,
+            record_hidden=record_hidden,
+            **off,
         )
     if config.engine == "server":
         from agentenv.lm.server_engine import ServerPolicy

@@ -4,7 +4,9 @@ A turn's first token is drawn from the LM head's output at its prompt's last pos
 the head's input there (the model's last hidden state) is what the ``gae`` critic reads
 (:func:`algorithms.logprobs.hidden_before` computes the same state from the episode's
 tokens, in the learner's forward). The local engines (``agentenv`` and ``reference``)
-record it at every prefill, one ``(H,)`` float32 vector a turn, in
+record it at every prefill when asked (``record_hidden=True``, which ``agentenv train``
+sets only under ``credit="gae"`` with ``critic_input="sampler"``, the one reader), one
+``(H,)`` float32 vector a turn, in
 :attr:`~agentenv.lm.backend.Generation.hidden`; the rollout keeps it in
 :attr:`~agentenv.rollout.episode.Episode.turn_hidden`, so the learner can skip its own
 forward for it (``GRPOConfig.critic_input="sampler"``). The vLLM and server engines
@@ -21,14 +23,17 @@ import torch
 
 
 @contextlib.contextmanager
-def recording_head_input(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+def recording_head_input(
+    model: torch.nn.Module, enabled: bool = True
+) -> Iterator[list[torch.Tensor]]:
     """Within the block, every call of ``model``'s LM head appends a copy of its input at
     the last position, ``(n, H)`` float32 on the CPU, to the yielded list (nothing for a model
-    without an output embedding). The head sees only the positions whose logits are kept,
-    so with ``logits_to_keep=1`` that is each row's last token's state."""
+    without an output embedding, or when not ``enabled``). The head sees only the positions
+    whose logits are kept, so with ``logits_to_keep=1`` that is each row's last token's
+    state."""
     seen: list[torch.Tensor] = []
     get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
+    head = get_head() if get_head is not None and enabled else None
     if head is None:
         yield seen
         return

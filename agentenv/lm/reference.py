@@ -55,8 +55,10 @@ class ReferencePolicy:
         *,
         dtype: str | torch.dtype = "auto",
         stop_token_ids: Sequence[int] | None = None,
+        record_hidden: bool = False,
     ):
         self.model = model
+        self.record_hidden = record_hidden  # Generation.hidden (agentenv.lm.hidden)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = resolve_dtype(dtype, self.device)
@@ -107,7 +109,7 @@ class ReferencePolicy:
         self.model.eval()  # no dropout (LoRA's) while sampling
         try:
             cache = DynamicCache()
-            with recording_head_input(self.model) as states:
+            with recording_head_input(self.model, self.record_hidden) as states:
                 logits = self._forward(ids, mask, cache)  # (n, V): each row's next-token logits
             hidden = states[-1] if states else None  # (n, H): what the logits came from
             while True:

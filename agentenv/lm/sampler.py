@@ -176,9 +176,11 @@ class TransformersPolicy:
         fold_lora: bool = True,
         llama_step: bool = True,
         inplace_attention: bool = True,
+        record_hidden: bool = False,
     ):
         limit_onednn_cache()  # before the sampling copy's first bfloat16 product
         self.trained = model
+        self.record_hidden = record_hidden  # Generation.hidden (agentenv.lm.hidden)
         self.llama_step = llama_step
         self.inplace_attention = inplace_attention
         self.reuse_cache = reuse_cache
@@ -416,7 +418,7 @@ class TransformersPolicy:
             new[i, width - len(r) :] = 1
         mask = torch.cat([mask, new], dim=1)  # (n, cached + width)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with recording_head_input(self.model) as hidden:
+        with recording_head_input(self.model, self.record_hidden) as hidden:
             logits, cache = cached_forward(
                 self.model,
                 cache if cache is not None else append_cache(self.model),

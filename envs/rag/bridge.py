@@ -12,13 +12,18 @@ expert of RAG-v0 for them: search the first entity, read the linking fact, searc
 second entity, read the answer; for about a third of the tasks it first makes a vaguer
 search that misses both articles, then searches again by name.
 
-Splits: a bridge question goes to the split both its documents' single-hop questions
-are in (:func:`~envs.rag.qa.split_of_item` of a one-document question, at the default
-test fraction), set explicitly in ``QAItem.split``; a fact whose two articles fall in
-different splits gives no question. So a test bridge question's documents are never
-gold documents of a train question, single-hop or bridge. Neither does a fact whose
-second article also names the first entity (a person who founded the organisation
-they joined): one search could find both articles.
+Splits: a bridge question goes to the split of its two articles, each article's split
+being :func:`doc_split` (a stable hash of its id at :data:`BRIDGE_TEST_FRACTION`, 0.5:
+not the single-hop questions' test fraction), set explicitly in ``QAItem.split``; a fact
+whose two articles fall in different splits gives no question, and neither does a fact
+whose second article also names the first entity (a person who founded the organisation
+they joined): one search could find both articles. So a test bridge question's
+documents are never gold documents of a train bridge question; a run that mixes bridge
+and single-hop questions drops the single-hop train questions about bridge test articles
+(:func:`without_bridge_leaks`). A run on the single-hop questions alone (RAG-v0's
+default) keeps them: a model trained there has seen articles that bridge test
+questions need, and ``agentenv eval`` says so when it evaluates such a checkpoint on
+bridge questions (:mod:`agentenv.run.leaks`).
 """
 
 from __future__ import annotations

@@ -63,9 +63,7 @@ class RAGEnv(ToolEnv):
 
         answer_weight    * max(EM, token F1)     best over all gold aliases   (1.0)
       + retrieval_weight * RR(gold document)     among every document the
-                                                  episode retrieved, in order (0.2);
-                                                  retrieval_metric="recall": the
-                                                  share of gold documents retrieved
+                                                  episode retrieved, in order (0.2)
       + format_weight    * well_formed           non-empty and <= max_answer_words
                                                   words, or exactly right      (0.05)
 
@@ -111,9 +109,6 @@ class RAGEnv(ToolEnv):
         passage_chars: Longest passage text shown.
         answer_weight: Weight of answer correctness.
         retrieval_weight: Weight of the retrieval score.
-        retrieval_metric: The retrieval score: ``"rr"`` (the first gold document's
-            reciprocal rank) or ``"recall"`` (the share of gold documents retrieved, at any
-            rank: a bridge question's second hop earns half; for multi-hop training).
         format_weight: Weight of a well-formed answer (< ``answer_weight``).
         max_answer_words: Longest well-formed answer.
         judge: An :class:`agentenv.run.judge.LLMJudge` grading the final answer against the
@@ -157,7 +152,6 @@ class RAGEnv(ToolEnv):
         passage_chars: int = 500,
         answer_weight: float = 1.0,
         retrieval_weight: float = 0.2,
-        retrieval_metric: str = "rr",
         format_weight: float = 0.05,
         max_answer_words: int = 10,
         judge: Any = None,
@@ -173,7 +167,7 @@ class RAGEnv(ToolEnv):
         self.default_k, self.max_k, self.max_searches = default_k, max_k, max_searches
         self.max_query_chars, self.passage_chars = max_query_chars, passage_chars
         self.weights = RewardWeights(
-            answer_weight, retrieval_weight, format_weight, max_answer_words, retrieval_metric
+            answer_weight, retrieval_weight, format_weight, max_answer_words
         )
         if judge is not None and not hasattr(judge, "score_batch"):
             raise InvalidOptionError(

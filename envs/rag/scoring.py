@@ -5,11 +5,10 @@
 * EM / F1 -- normalised exact match and token F1 (SQuAD-style normalisation:
   lowercase, punctuation and the articles a/an/the removed, whitespace collapsed),
   each the best over all gold aliases;
-* R -- by default (``retrieval_metric="rr"``) the reciprocal rank of the first gold
-  document in the episode's retrieved documents (every search's hits in order, each
-  document counted once; 0 if none); with ``retrieval_metric="recall"`` the share of the
-  gold documents retrieved at any rank, which pays a multi-hop question's later hops too
-  (a bridge question's first search alone earns half);
+* R -- the reciprocal rank of the first gold document in the episode's retrieved
+  documents (every search's hits in order, each document counted once; 0 if none);
+  ``info["retrieval_recall"]`` reports the share of gold documents retrieved at any rank
+  (a multi-hop question's later hops) beside it, outside the reward;
 * well_formed -- the answer is non-empty and at most ``max_answer_words`` words, or is
   exactly right. Being right implies being well formed, so with equal retrieval a
   wrong answer always scores strictly less than a right one; and ``format`` must be
@@ -71,28 +70,21 @@ def gold_recall(retrieved_doc_ids: Sequence[str], gold_doc_ids: Sequence[str]) -
     return len(gold & set(retrieved_doc_ids)) / len(gold) if gold else 0.0
 
 
-RETRIEVAL_METRICS = ("rr", "recall")
-
-
 @dataclass(frozen=True)
 class RewardWeights:
     """Weights of the reward terms (see the module docstring).
 
     Attributes:
         answer: Weight of ``max(EM, F1)``.
-        retrieval: Weight of the retrieval score (``retrieval_metric``).
+        retrieval: Weight of the retrieval score (the first gold document's reciprocal rank).
         format: Weight of a non-empty, short answer; must be < ``answer``.
         max_answer_words: Longest answer (in words) that counts as well formed.
-        retrieval_metric: ``"rr"``: the first gold document's reciprocal rank (one hop
-            found early earns it all); ``"recall"``: the share of gold documents retrieved
-            (each hop of a multi-hop question earns its share, whatever its rank).
     """
 
     answer: float = 1.0
     retrieval: float = 0.2
     format: float = 0.05
     max_answer_words: int = 10
-    retrieval_metric: str = "rr"
 
     def __post_init__(self) -> None:
         for name in ("answer", "retrieval", "format"):
@@ -108,11 +100,6 @@ class RewardWeights:
             )
         if self.max_answer_words < 1:
             raise InvalidOptionError(f"max_answer_words must be >= 1, got {self.max_answer_words}")
-        if self.retrieval_metric not in RETRIEVAL_METRICS:
-            raise InvalidOptionError(
-                f"retrieval_metric must be one of {', '.join(map(repr, RETRIEVAL_METRICS))}, "
-                f"got {self.retrieval_metric!r}"
-            )
 
 
 def score_answer(
@@ -126,7 +113,7 @@ def score_answer(
 
     Returns:
         ``(reward, info)`` with ``correct`` (EM), ``answer_em``, ``answer_f1``,
-        ``retrieval_rr``, ``retrieval_recall`` (both, whichever the reward uses),
+        ``retrieval_rr`` (the reward's), ``retrieval_recall`` (reported only),
         ``format_ok``, the weighted terms ``reward_answer``, ``reward_retrieval``,
         ``reward_format`` (which sum to ``reward``) and
         ``reward_components``, the unweighted ``answer`` / ``retrieval`` / ``format`` scores
@@ -136,12 +123,11 @@ def score_answer(
     f1 = token_f1(answer, golds)
     rr = first_gold_rr(retrieved_doc_ids, gold_doc_ids)
     recall = gold_recall(retrieved_doc_ids, gold_doc_ids)
-    retrieval = recall if weights.retrieval_metric == "recall" else rr
     words = len(answer.split())
     format_ok = em == 1.0 or 1 <= words <= weights.max_answer_words
     terms = {
         "reward_answer": weights.answer * max(em, f1),
-        "reward_retrieval": weights.retrieval * retrieval,
+        "reward_retrieval": weights.retrieval * rr,
         "reward_format": weights.format * float(format_ok),
     }
     info: dict[str, Any] = {
@@ -154,7 +140,7 @@ def score_answer(
         **terms,
         "reward_components": {
             "answer": max(em, f1),
-            "retrieval": retrieval,
+            "retrieval": rr,
             "format": float(format_ok),
         },
     }

@@ -47,7 +47,6 @@ TURN_REWARDS = [[[1.0, 0.0, 1.0], [0.0, 1.0, 1.0], [0.0, 1.0]]]
 OUTCOME = torch.tensor([[1.0, 1.0, 0.0]])
 VALUES = [[[0.5, 0.5, 0.5], [], [0.25, 0.25]]]
 VALID = torch.tensor([[True, False, True]])
-GROUP = torch.tensor([[0.7, 0.0, -0.7]], dtype=torch.float64)  # the bandit's advantages (failed: 0)
 
 
 def test_gae_advantages_by_hand_with_a_failed_and_a_truncated_episode():
@@ -55,9 +54,7 @@ def test_gae_advantages_by_hand_with_a_failed_and_a_truncated_episode():
     the last turn): returns 2, 1.5, 1.5, less V 0.5: 1.5, 1, 1. Member 2 (truncated: its
     end is terminal, nothing bootstrapped): rewards 0, 0.5, returns 0.5, 0.5, less 0.25."""
     kwargs = {"weight": 0.5, "gamma": 1.0, "lam": 1.0}
-    raw, targets = gae_advantages(
-        OUTCOME, TURN_REWARDS, VALUES, VALID, GROUP, norm="mean_only", **kwargs
-    )
+    raw, targets = gae_advantages(OUTCOME, TURN_REWARDS, VALUES, VALID, norm="mean_only", **kwargs)
     assert raw[0][0] == pytest.approx([1.5, 1.0, 1.0])
     assert raw[0][1] == [0.0, 0.0, 0.0] and targets[0][1] == []
     assert raw[0][2] == pytest.approx([0.25, 0.25])
@@ -65,21 +62,11 @@ def test_gae_advantages_by_hand_with_a_failed_and_a_truncated_episode():
     assert targets[0][2] == pytest.approx([0.5, 0.5])
 
     # whitened over the 5 valid turns: mean 0.8, population variance 1.175 / 5
-    white, _ = gae_advantages(OUTCOME, TURN_REWARDS, VALUES, VALID, GROUP, eps=0.0, **kwargs)
+    white, _ = gae_advantages(OUTCOME, TURN_REWARDS, VALUES, VALID, eps=0.0, **kwargs)
     std = math.sqrt(1.175 / 5)
     assert white[0][0] == pytest.approx([0.7 / std, 0.2 / std, 0.2 / std])
     assert white[0][2] == pytest.approx([-0.55 / std, -0.55 / std])
     assert white[0][1] == [0.0] * 3
-
-    # mixed half and half with the bandit's advantage of each member
-    mixed, _ = gae_advantages(
-        OUTCOME, TURN_REWARDS, VALUES, VALID, GROUP, eps=0.0, mix=0.5, **kwargs
-    )
-    assert mixed[0][0] == pytest.approx([0.35 / std + 0.35, 0.1 / std + 0.35, 0.1 / std + 0.35])
-    assert mixed[0][2] == pytest.approx([-0.275 / std - 0.35] * 2)
-    assert mixed[0][1] == [0.0] * 3
-    only_group, _ = gae_advantages(OUTCOME, TURN_REWARDS, VALUES, VALID, GROUP, mix=1.0, **kwargs)
-    assert only_group[0] == [[0.7] * 3, [0.0] * 3, [-0.7] * 2]
 
 
 def test_the_value_head_starts_at_zero_and_fits_returns():
@@ -221,9 +208,7 @@ def test_a_gae_run_resumes_exactly_with_its_critic(tmp_path, tokenizer):
         GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING).load(saved)
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("gae_lambda", 1.5), ("gae_mix", -0.1), ("value_lr", 0.0)]
-)
+@pytest.mark.parametrize(("field", "value"), [("gae_lambda", 1.5), ("value_lr", 0.0)])
 def test_gae_settings_are_checked(field, value):
     with pytest.raises(InvalidOptionError, match=field):
         config(**{field: value})

@@ -3,6 +3,8 @@ tokens, and learn() with them; the bandit default untouched."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from toy_episodes import SAMPLING, make_groups
@@ -55,30 +57,6 @@ def test_undiscounted_returns_and_a_turn_weight_of_zero_give_the_outcome():
     assert zero[0] == [[0.5] * 3, [0.0] * 3, [-0.5] * 2]
 
 
-def test_turn_advantages_by_hand_with_one_baseline_per_turn_index():
-    """The same returns under baseline="index": index 0 holds 1.25 and 0.5 (mean 0.875,
-    std 0.375), index 1 holds 0.5 and 1 (mean 0.75, std 0.25), index 2 member 0's 1 alone
-    (no spread: no turn term). Weight 2: + 2 (G - mean) / std."""
-    got = turn_advantages(OUTCOME, TURN_REWARDS, VALID, 2.0, 0.5, eps=0.0, baseline="index")
-    expected = [[0.5 + 2.0, 0.5 - 2.0, 0.5], [0.0] * 3, [-0.5 - 2.0, -0.5 + 2.0]]
-    for a, e in zip(got[0], expected, strict=True):
-        assert a == pytest.approx(e, abs=1e-12)
-    flat = turn_advantages(OUTCOME, TURN_REWARDS, VALID, 2.0, 0.5, "mean_only", baseline="index")
-    assert flat[0][0] == pytest.approx([0.5 + 0.75, 0.5 - 0.5, 0.5])
-    # returns that differ only across indices: a signal for "group", none for "index"
-    same = [[[1.0, 0.0], [1.0, 0.0]]]
-    both = torch.tensor([[True, True]])
-    assert turn_return_spread(same, both, 1.0, "group").tolist() == [True]
-    assert turn_return_spread(same, both, 1.0, "index").tolist() == [False]
-    assert turn_advantages(torch.zeros(1, 2), same, both, 1.0, baseline="index") == [
-        [[0.0, 0.0], [0.0, 0.0]]
-    ]
-    with pytest.raises(InvalidOptionError, match="baseline must be one of"):
-        turn_advantages(OUTCOME, TURN_REWARDS, VALID, 1.0, baseline="turn")
-    with pytest.raises(InvalidOptionError, match="turn_baseline must be one of"):
-        config(credit="turn", turn_baseline="per_turn")
-
-
 def test_a_group_whose_returns_are_all_equal_gets_no_turn_term():
     rewards = [[[0.0, 1.0], [0.0, 0.0, 1.0], [7.0]], [[0.0], [1.0], [0.0]]]
     valid = torch.tensor([[True, True, False], [True, True, True]])
@@ -87,6 +65,8 @@ def test_a_group_whose_returns_are_all_equal_gets_no_turn_term():
     assert got[0] == [[0.25, 0.25], [-0.25, -0.25, -0.25], [0.0]]  # returns all 1
     assert got[1][1][0] > 0 > got[1][0][0] == got[1][2][0]
     assert turn_return_spread(rewards, valid, 1.0).tolist() == [False, True]
+    same = [[[1.0, 0.0], [1.0, 0.0]]]  # returns differ only from one turn to the next
+    assert turn_return_spread(same, torch.ones(1, 2, dtype=torch.bool), 1.0).tolist() == [True]
     with pytest.raises(InvalidOptionError, match="norm must be one of"):
         turn_advantages(outcome, rewards, valid, 1.0, norm="median")
 
@@ -141,15 +121,26 @@ def test_turn_credit_trains_each_turns_tokens_with_its_advantage(tokenizer, monk
     metrics = trainer.learn(groups)
     # the second group's outcomes are equal, its turns' returns are not: it has a signal
     assert metrics["frac_reward_zero_std"] == 0.5 and metrics["frac_no_signal"] == 0.0
-    expected = turn_advantages(
-        trainer.last_advantages,
-        [[e.turn_rewards for e in g] for g in groups],
-        torch.ones(2, 4, dtype=torch.bool),
-        weight=1.0,
-    )
-    assert trainer.last_turn_advantages == [a for g in expected for a in g]
+    # By hand (weight 1, gamma 1, eps 1e-4). Group 0's outcomes 0 1 1 0: +-0.5 / (0.5 +
+    # eps); its returns [1, 0], [0, 0], [2, 1], [1, 1]: mean 0.75, std sqrt(3.5 / 8).
+    # Group 1's outcomes all 1 (advantage 0); its returns [0, 0], [1, 0], [0, 0], [0, 0]:
+    # mean 0.125, std sqrt(0.125 x 0.875).
+    o = 0.5 / (0.5 + 1e-4)
+    s0, s1 = math.sqrt(3.5 / 8) + 1e-4, math.sqrt(0.125 * 0.875) + 1e-4
+    expected = [
+        [-o + 0.25 / s0, -o - 0.75 / s0],
+        [o - 0.75 / s0, o - 0.75 / s0],
+        [o + 1.25 / s0, o + 0.25 / s0],
+        [-o + 0.25 / s0, -o + 0.25 / s0],
+        [-0.125 / s1] * 2,
+        [0.875 / s1, -0.125 / s1],
+        [-0.125 / s1] * 2,
+        [-0.125 / s1] * 2,
+    ]
+    assert len(trainer.last_turn_advantages) == 8
+    for got, want in zip(trainer.last_turn_advantages, expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)  # the outcome advantages are float32
     assert trainer.last_advantages[1].tolist() == [0.0] * 4  # outcomes all 1
-    assert any(a != 0 for a in trainer.last_turn_advantages[5])  # its turns still differ
     trained = []  # each trained row's advantages on its policy tokens
     for adv, mask in seen:
         assert adv.shape == mask.shape  # (N, T)
@@ -162,35 +153,6 @@ def test_turn_credit_trains_each_turns_tokens_with_its_advantage(tokenizer, monk
         values = [v for (s, e), v in zip(spans, per_turn, strict=True) for _ in range(e - s)]
         assert tuple(round(v, 5) for v in values) in trained
     assert len(trained) == 8  # both groups trained (no padding micro-batch here)
-
-
-def test_turn_credit_with_one_baseline_per_turn_index(tokenizer):
-    """turn_baseline="index": learn() gives turn_advantages(baseline="index"); a group of
-    equal outcomes whose returns differ only from one turn index to the next has no
-    signal under it (each index's returns are equal) and is dropped; under "group" not."""
-    from agentenv.lm.models import tiny_model as build
-
-    groups = two_turn_groups(
-        [[0, 1, 1, 0], [1, 1, 1, 1]],
-        [[[1, 0], [0, 0], [1, 1], [0, 1]], [[1, 0], [1, 0], [1, 0], [1, 0]]],
-    )
-    index = GRPO(
-        build(tokenizer), tokenizer, config(credit="turn", turn_baseline="index"), sampling=SAMPLING
-    )
-    metrics = index.learn(groups)
-    expected = turn_advantages(
-        index.last_advantages,
-        [[e.turn_rewards for e in g] for g in groups],
-        torch.ones(2, 4, dtype=torch.bool),
-        weight=1.0,
-        baseline="index",
-    )
-    assert index.last_turn_advantages == [a for g in expected for a in g]
-    assert index.last_turn_advantages[4:] == [[0.0, 0.0]] * 4
-    assert metrics["frac_no_signal"] == 0.5 and metrics["num_sequences"] == 8
-    group = GRPO(build(tokenizer), tokenizer, config(credit="turn"), sampling=SAMPLING)
-    assert group.learn(groups)["frac_no_signal"] == 0.0
-    assert group.last_turn_advantages[4][0] > 0 > group.last_turn_advantages[4][1]
 
 
 def test_the_bandit_default_trains_each_sequence_with_its_group_advantage_bitwise(

@@ -402,11 +402,11 @@ def test_each_turn_records_the_hidden_state_its_first_token_was_drawn_from(
         group_size=3, max_turns=3, sampling=ENGINE_SAMPLING, show_progress=False,
         batching="continuous" if engine == "continuous" else "lockstep",
     )  # fmt: skip
-    policy = (
-        ReferencePolicy(tiny_model, tokenizer, dtype="float32")
-        if engine == "reference"
-        else TransformersPolicy(tiny_model, tokenizer, dtype="float32")
-    )
+    cls = ReferencePolicy if engine == "reference" else TransformersPolicy
+    off = cls(tiny_model, tokenizer, dtype="float32")  # the default: nothing recorded
+    groups, _ = collect(make_env, [4, 9], off, ChatFormat(tokenizer), config, sample_seed=7)
+    assert all(e.turn_hidden is None for g in groups for e in g)
+    policy = cls(tiny_model, tokenizer, dtype="float32", record_hidden=True)
     groups, _ = collect(make_env, [4, 9], policy, ChatFormat(tokenizer), config, sample_seed=7)
     episodes = [e for g in groups for e in g]
     assert sum(e.num_turns for e in episodes) >= 12  # most episodes take several turns

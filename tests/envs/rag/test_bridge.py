@@ -7,6 +7,7 @@ import json
 import pytest
 
 from agentenv.errors import InvalidOptionError
+from agentenv.run.leaks import seen_tasks
 from envs.rag import QAItem, RAGEnv, bundled, generate
 from envs.rag.baselines import search_action
 from envs.rag.bridge import (
@@ -106,8 +107,27 @@ def test_bridge_splits_are_leak_free(bundled_bridge):
         q for q in qa if split_of_item(q) == "test"
     ]
     assert without_bridge_leaks(single) == single and without_bridge_leaks(items) == items
-    assert sum(q.split == "test" for q in items) == 184  # both articles test: ~1/4 of facts
-    assert sum(q.split == "train" for q in items) == 208
+
+
+def test_bridge_test_questions_are_held_out_from_bridge_and_mixed_runs_not_single_hop(
+    bridge_env,
+):
+    """Across env settings, as ``agentenv eval`` checks a checkpoint's training env
+    against the evaluated one (:mod:`agentenv.run.leaks`): a bridge test question's
+    articles are gold documents of no bridge or mixed train question; RAG-v0's default
+    (single-hop) train questions are about some of them, so an adapter trained there is
+    not held out on bridge questions."""
+    bm25 = {"retriever": "bm25", "chroma": "memory"}
+    bridge_test = RAGEnv(split="test", question_types="bridge", **bm25)
+    single, single_test = RAGEnv(**bm25), RAGEnv(split="test", **bm25)
+    mixed = RAGEnv(question_types=[*SINGLE_HOP_TYPES, "bridge"], **bm25)
+    assert seen_tasks(bridge_env, bridge_test) == 0
+    assert seen_tasks(mixed, bridge_test) == 0
+    assert seen_tasks(single, single_test) == 0
+    assert seen_tasks(mixed, single_test) == 0
+    leaked = seen_tasks(single, bridge_test)
+    assert 0 < leaked < bridge_test.num_tasks
+    assert seen_tasks(bridge_test, bridge_test) == bridge_test.num_tasks  # it can find them
 
 
 def test_default_task_list_is_unchanged_and_bridge_is_opt_in(small_data, small_env_kwargs):
@@ -287,22 +307,39 @@ def test_each_step_reports_the_gold_articles_its_searches_found_first(bridge_env
     assert retrieval_stats(finals) == {"requery_after_miss_rate": 1.0, "second_hop_recall": 1.0}
 
 
-def test_recall_retrieval_reward_pays_the_second_hop_where_rr_cannot(bridge_env):
-    """``retrieval_metric="recall"``: an answer after the first hop alone earns half the
-    retrieval term, after both hops all of it; the default reciprocal rank pays both the
-    same (the first search finds the named article at rank 1)."""
-    recall_env = RAGEnv(question_types="bridge", chroma="memory", retrieval_metric="recall")
-    assert recall_env.retriever is bridge_env.retriever  # reward settings share the index
-    for env, one_hop, two_hops in [(bridge_env, 0.2, 0.2), (recall_env, 0.1, 0.2)]:
-        for i in range(6):
-            env.reset(options={"task_id": i})
-            demo = env.demonstration(env.task)
-            *searches, _ = demo[-3:]  # the two hop searches (after any missed one)
-            env.reset(options={"task_id": i})
-            info = [env.step(a)[4] for a in [searches[0], "<answer>no idea</answer>"]][-1]
-            assert info["reward_retrieval"] == pytest.approx(one_hop)
-            assert (info["retrieval_rr"], info["retrieval_recall"]) == (1.0, 0.5)
-            env.reset(options={"task_id": i})
-            info = [env.step(a)[4] for a in [*searches, "<answer>no idea</answer>"]][-1]
-            assert info["reward_retrieval"] == pytest.approx(two_hops)
-            assert info["retrieval_recall"] == 1.0 and info["reward_answer"] == 0.0
+def test_a_bridge_answer_reports_each_hop_in_recall_and_pays_the_first_rank(bridge_env):
+    """The reciprocal rank pays one hop and two the same (the first search finds the named
+    article at rank 1); ``retrieval_recall`` reports the second hop."""
+    for i in range(6):
+        bridge_env.reset(options={"task_id": i})
+        demo = bridge_env.demonstration(bridge_env.task)
+        *searches, _ = demo[-3:]  # the two hop searches (after any missed one)
+        for taken, recall in ((searches[:1], 0.5), (searches, 1.0)):
+            bridge_env.reset(options={"task_id": i})
+            info = [bridge_env.step(a)[4] for a in [*taken, "<answer>no idea</answer>"]][-1]
+            assert info["reward_retrieval"] == pytest.approx(0.2)
+            assert (info["retrieval_rr"], info["retrieval_recall"]) == (1.0, recall)
+            assert info["reward_answer"] == 0.0
+
+
+def test_eval_warns_when_a_checkpoint_trained_on_the_articles_it_is_tested_on(tmp_path):
+    """``agentenv eval --adapter`` of a checkpoint trained on RAG-v0's single-hop
+    questions, on its bridge test questions, says that the score is not held out; on the
+    single-hop test split, or from a bridge run, it says nothing."""
+    from agentenv.run.leaks import seen_warning
+
+    bm25 = {"retriever": "bm25", "chroma": "memory"}
+    runs = {}
+    for name, kwargs in [("single", bm25), ("bridge", {**bm25, "question_types": "bridge"})]:
+        (tmp_path / name).mkdir()
+        record = {"env_id": "RAG-v0", "env_kwargs": kwargs}
+        (tmp_path / name / "run.json").write_text(json.dumps(record))
+        runs[name] = tmp_path / name
+    bridge = {**bm25, "question_types": "bridge"}
+    n = RAGEnv(split="test", **bridge).num_tasks
+    warning = seen_warning(runs["single"], "RAG-v0", bridge, "test")
+    assert warning is not None and warning.startswith("warning: ")
+    assert f"of the {n} test tasks" in warning and "not held out" in warning
+    assert seen_warning(runs["single"], "RAG-v0", bm25, "test") is None
+    assert seen_warning(runs["bridge"], "RAG-v0", bridge, "test") is None
+    assert seen_warning(tmp_path, "RAG-v0", bridge, "test") is None  # nothing recorded

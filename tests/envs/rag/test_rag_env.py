@@ -194,8 +194,6 @@ def test_reward_weights_are_configurable_and_validated(small_env_kwargs):
         RAGEnv(**small_env_kwargs, format_weight=1.0)
     with pytest.raises(InvalidOptionError, match="weight must be a number >= 0"):
         RAGEnv(**small_env_kwargs, retrieval_weight=-0.1)
-    with pytest.raises(InvalidOptionError, match="retrieval_metric must be one of 'rr', 'recall'"):
-        RAGEnv(**small_env_kwargs, retrieval_metric="ndcg")
     with pytest.raises(InvalidOptionError, match="default_k <= max_k"):
         RAGEnv(**small_env_kwargs, default_k=5, max_k=4)
     with pytest.raises(InvalidOptionError, match="num_tasks"):

@@ -42,18 +42,17 @@ def test_score_answer_terms_sum_to_the_reward():
     assert info["format_ok"]  # a right answer is always well formed
 
 
-def test_recall_metric_pays_each_gold_document_whatever_its_rank():
-    rr = RewardWeights(retrieval=0.2)
-    recall = RewardWeights(retrieval=0.2, retrieval_metric="recall")
+def test_the_reward_pays_the_first_gold_rank_and_recall_is_reported_beside_it():
+    weights = RewardWeights(retrieval=0.2)
     retrieved, gold = ["d9", "d1", "d8", "d7"], ["d1", "d2"]
-    _, by_rr = score_answer("x", ["y"], retrieved, gold, rr)
-    _, by_recall = score_answer("x", ["y"], retrieved, gold, recall)
-    assert (by_rr["retrieval_rr"], by_rr["retrieval_recall"]) == (0.5, 0.5)
-    assert by_rr["reward_retrieval"] == pytest.approx(0.1)
-    assert by_recall["reward_components"]["retrieval"] == 0.5  # one of two, at rank 2
-    _, both = score_answer("x", ["y"], [*retrieved, "d2"], gold, recall)
-    assert both["retrieval_rr"] == 0.5 and both["reward_retrieval"] == pytest.approx(0.2)
-    _, none = score_answer("x", ["y"], retrieved, [], recall)
+    _, one = score_answer("x", ["y"], retrieved, gold, weights)
+    assert (one["retrieval_rr"], one["retrieval_recall"]) == (0.5, 0.5)  # d1 at rank 2
+    assert one["reward_retrieval"] == pytest.approx(0.1)
+    assert one["reward_components"]["retrieval"] == 0.5
+    _, both = score_answer("x", ["y"], [*retrieved, "d2"], gold, weights)
+    assert (both["retrieval_rr"], both["retrieval_recall"]) == (0.5, 1.0)
+    assert both["reward_retrieval"] == pytest.approx(0.1)  # the second hop is not paid
+    _, none = score_answer("x", ["y"], retrieved, [], weights)
     assert none["retrieval_recall"] == 0.0 and none["reward_retrieval"] == 0.0
 
 
@@ -64,7 +63,6 @@ def test_recall_metric_pays_each_gold_document_whatever_its_rank():
         ({"format": 1.0}, "must be smaller than the answer weight"),
         ({"retrieval": -1}, "retrieval weight must be a number >= 0"),
         ({"max_answer_words": 0}, "max_answer_words"),
-        ({"retrieval_metric": "mrr"}, "retrieval_metric must be one of 'rr', 'recall', got 'mrr'"),
     ],
 )
 def test_reward_weights_validation(kwargs, message):
