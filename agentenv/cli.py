@@ -15,6 +15,7 @@ agentenv quickstart                        SFT -> GRPO -> eval on the default, i
 from __future__ import annotations
 
 import argparse
+import difflib
 import ipaddress
 import json
 import os
@@ -73,7 +74,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from agentenv.env.play import ChatModelPolicy, play_episode
     from agentenv.env.registration import make
 
-    env = make(args.env_id, split="test", **args.env_kwargs)
+    _demo_settings(args)
+    env = make(args.env_id, split="test", **args.env_kwargs)  # before the model loads
     print(f"Loading {args.model} ...", flush=True)
     start = time.perf_counter()
     model, tokenizer = _load_policy(args)
@@ -81,13 +83,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     policy = ChatModelPolicy(
         model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=args.temperature
     )
-    result = play_episode(env, policy, seed=args.seed)
+    result = play_episode(env, policy, seed=args.seed, max_steps=args.max_turns or 100)
     for m in result.messages:
         print(f"--- {m['role']} ---\n{m['content']}\n")
     env.close()
     status = "terminated" if result.terminated else "truncated"
     print(f"=== reward {result.reward:g} ({status}); info: {result.info}")
     return 0
+
+
+DEMO_DEFAULTS = {"env_id": "Calculator-v0", "env_kwargs": {}, "max_new_tokens": 192}
+
+
+def _demo_settings(args: argparse.Namespace) -> None:
+    """Fill in ``demo``'s settings not given: from what ``--adapter``'s run trained with
+    (saying so in one line), else the defaults. A bad ``--adapter`` fails here."""
+    from agentenv.run.recorded import check_checkpoint, recorded_note, recorded_run, take_recorded
+
+    check_checkpoint(args.adapter, "--adapter")
+    found = recorded_run(args.adapter) if args.adapter else None
+    if found is not None:
+        names = ("env_id", "env_kwargs", "max_turns", "max_new_tokens")
+        given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+        given["max_episode_tokens"] = None  # demo has no episode budget
+        taken = take_recorded(found[0], given)
+        for key, value in taken.items():
+            setattr(args, key, value)
+        if taken:
+            env_id = args.env_id or found[0]["env_id"]
+            print(recorded_note(args.adapter, taken, found[1], env_id), file=sys.stderr)
+    for key, value in DEMO_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -157,12 +184,21 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(format_table([EvalReport.load(p) for p in args.compare]))
         return 0
     overrides = _overrides(args)
-    run = resolve(EvalRunConfig, args.config, overrides)
+    base, note = _checkpoint_settings(args.config, overrides)
+    run = resolve(EvalRunConfig, args.config, overrides, base=base)
+    if note:
+        print(note, file=sys.stderr)
     from agentenv.env.registration import make
     from agentenv.lm.engines import check_engine, make_policy
     from agentenv.rollout.episode import ChatFormat
 
     make(run.env_id, split=run.eval.split, **run.env_kwargs).close()  # before the model loads
+    if run.adapter:
+        from agentenv.run.leaks import seen_warning
+
+        warning = seen_warning(run.adapter, run.env_id, run.env_kwargs, run.eval.split)
+        if warning:
+            print(warning, file=sys.stderr)
     check_engine(run.generation)
     judge = run.make_judge()
     model, tokenizer = _load_policy(run)
@@ -176,6 +212,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             run.eval,
             label=label,
             judge=judge,
+            about={
+                "env_id": run.env_id,
+                "env_kwargs": run.env_kwargs,
+                "model": run.model,
+                "adapter": run.adapter,
+            },
         )
     finally:  # a vLLM engine shuts down; a server engine unloads the adapter it loaded
         if hasattr(policy, "close"):
@@ -185,6 +227,38 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         report.save(run.output)
         print(f"written: {run.output}")
     return 0
+
+
+def _checkpoint_settings(file: str | None, overrides: dict) -> tuple[dict, str | None]:
+    """``eval --adapter CKPT``: the env and rollout settings CKPT's run trained with that
+    neither ``file`` nor the flags give, as a config layer under both, and the line that
+    says so (None: nothing taken). A bad ``--adapter`` fails here, before any model loads."""
+    from agentenv.run.recorded import (
+        ROLLOUT_SETTINGS,
+        check_checkpoint,
+        recorded_note,
+        recorded_run,
+        take_recorded,
+    )
+
+    given = config_lib.merge(config_lib.load_file(file) if file else {}, overrides)
+    adapter = given.get("adapter")
+    check_checkpoint(adapter, "--adapter")
+    found = recorded_run(adapter) if adapter else None
+    if found is None:
+        return {}, None
+    record, source = found
+    flat = {k: given[k] for k in ("env_id", "env_kwargs", "quantize") if k in given}
+    section = given.get("eval") if isinstance(given.get("eval"), dict) else {}
+    flat.update({k: section[k] for k in ROLLOUT_SETTINGS if k in section})
+    taken = take_recorded(record, flat)
+    if not taken:
+        return {}, None
+    base = {k: taken[k] for k in ("env_id", "env_kwargs", "quantize") if k in taken}
+    rollout = {k: taken[k] for k in ROLLOUT_SETTINGS if k in taken}
+    if rollout:
+        base["eval"] = rollout
+    return base, recorded_note(adapter, taken, source, given.get("env_id", record["env_id"]))
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -206,12 +280,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ) from exc
     from agentenv.integrations.openenv.server import TOKEN_ENV_VAR
 
-    token = args.token or os.environ.get(TOKEN_ENV_VAR) or None
+    token = _serve_token(args, TOKEN_ENV_VAR)
     local = _is_loopback(args.host)
     if not local and token is None:
         raise InvalidOptionError(
-            f"--host {args.host} lets other machines reach the env: pass --token SECRET (or "
-            f"set {TOKEN_ENV_VAR}; clients send the same), or serve on 127.0.0.1"
+            f"--host {args.host} lets other machines reach the env: pass --token-file PATH "
+            f"(or set {TOKEN_ENV_VAR}; clients send the same), or serve on 127.0.0.1"
         )
     application = app(
         args.env_id,
@@ -225,6 +299,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"serving {args.env_id} on http://{args.host}:{args.port} (OpenEnv{guard}; Ctrl-C stops)")
     uvicorn.run(application, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _serve_token(args: argparse.Namespace, env_var: str) -> str | None:
+    """The secret ``serve`` requires: ``--token-file``'s first line, else ``--token`` (with a
+    warning: ``ps`` and the shell history show it), else ``$env_var``, else None."""
+    if args.token_file:
+        try:
+            lines = Path(args.token_file).read_text().splitlines()
+        except OSError as exc:
+            raise InvalidOptionError(
+                f"--token-file {args.token_file}: cannot read it ({exc.strerror})"
+            ) from exc
+        if not lines or not lines[0].strip():
+            raise InvalidOptionError(f"--token-file {args.token_file} is empty; write the secret")
+        return lines[0].strip()
+    if args.token:
+        print(
+            "warning: --token puts the secret where `ps` and the shell's history show it; "
+            f"pass --token-file PATH or set {env_var} instead",
+            file=sys.stderr,
+        )
+        return args.token
+    return os.environ.get(env_var) or None
 
 
 def _is_loopback(host: str) -> bool:
@@ -321,11 +418,54 @@ def _print_learning_signal(run_dir: str | Path) -> None:
         )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser (and its sub-parsers) that takes no abbreviation of a flag
+    (``--temp`` is not ``--temperature``) and answers a misspelt flag with the closest one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._command(parsed)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{parser.suggest(extras)}")
+        return parsed
+
+    def _command(self, parsed: argparse.Namespace) -> _Parser:
+        """The parser of the sub-command ``parsed`` ran (this one if none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(parsed, action.dest, None), self)
+        return self
+
+    def suggest(self, extras: Sequence[str]) -> str:
+        """``"; did you mean --X?"`` for the first unknown flag close to one of this parser's
+        (the spelling its help shows), else ``""``."""
+        shown = [
+            option
+            for action in self._actions
+            if action.help != argparse.SUPPRESS
+            for option in action.option_strings
+        ]
+        for extra in extras:
+            flag = extra.split("=")[0]
+            if not flag.startswith("--"):
+                continue
+            longer = [option for option in shown if option.startswith(flag)]  # a prefix
+            close = longer or difflib.get_close_matches(flag, shown, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {' or '.join(close[:3])}?"
+        return ""
+
+
 def _env_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--env-kwargs",
         type=config_lib.parse_json_object,
-        default={},
+        default=None,
+        metavar="JSON",
         help='env constructor arguments as JSON, e.g. \'{"source": "word_problems"}\'',
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF id or local path")
@@ -373,6 +513,7 @@ def _settings_command(
         sub,
         name,
         help=help,
+        usage="%(prog)s [-h] [ENV_ID] [--config FILE] [--import MODULE] [--FLAG VALUE ...]",
         description=f"{description} Settings: defaults, then --config FILE, then flags; the "
         "effective config is saved with the results.",
     )
@@ -392,7 +533,7 @@ def _settings_command(
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``agentenv`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="agentenv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
@@ -400,10 +541,22 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "list", help="list registered environments").set_defaults(fn=_cmd_list)
 
     p = _command(sub, "demo", help="play one episode with a model and print the transcript")
-    p.add_argument("env_id", nargs="?", default="Calculator-v0")
+    p.add_argument(
+        "env_id",
+        nargs="?",
+        default=None,
+        help="default: the env --adapter's run trained on, else Calculator-v0",
+    )
     _env_args(p)
-    p.add_argument("--adapter", default=None, help="checkpoint folder to apply")
-    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument(
+        "--adapter",
+        default=None,
+        metavar="CKPT",
+        help="checkpoint folder to apply; the env, env kwargs, turns and tokens per turn its "
+        "run trained with are used unless given",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 192")
+    p.add_argument("--max-turns", type=int, default=None, help="default: the env's limit")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.set_defaults(fn=_cmd_demo)
 
@@ -462,18 +615,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--env-kwargs",
         type=config_lib.parse_json_object,
         default={},
+        metavar="JSON",
         help='env constructor arguments as JSON; "split" is the default split of reset',
     )
     p.add_argument(
         "--host",
         default="127.0.0.1",
-        help="0.0.0.0 to accept other machines (then a --token is required)",
+        help="0.0.0.0 to accept other machines (then a token is required)",
     )
-    p.add_argument(
+    secret = p.add_mutually_exclusive_group()
+    secret.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="a file whose first line is the shared secret every request must carry "
+        "(Authorization: Bearer TOKEN); default: $AGENTENV_SERVE_TOKEN (agentenv's clients "
+        "send that variable's value)",
+    )
+    secret.add_argument(
         "--token",
         default=None,
-        help="a shared secret every request must carry (Authorization: Bearer TOKEN); "
-        "default $AGENTENV_SERVE_TOKEN; agentenv's clients send the same variable",
+        help="the secret itself; `ps` shows it to every user of the machine: prefer "
+        "--token-file or $AGENTENV_SERVE_TOKEN",
     )
     p.add_argument(
         "--allow-unsandboxed-code",

@@ -202,12 +202,53 @@ def _converter(base: Any, optional: bool, flag: str) -> Any:
     return convert
 
 
+def _declared_by(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO that declares the field ``name`` (the most derived one)."""
+    return next(k for k in cls.__mro__ if name in k.__dict__.get("__annotations__", {}))
+
+
+def _summary(text: str) -> str:
+    """The first clause of a help text or docstring (``"How episodes are collected and
+    sampled (section)."`` -> ``"How episodes are collected and sampled"``)."""
+    text = " ".join(text.replace("``", "").split())
+    for stop in (" (", ". ", "; ", ": "):
+        text = text.split(stop)[0]
+    return text.rstrip(".")
+
+
+def _group(
+    parser: argparse.ArgumentParser, groups: dict[Any, Any], config: Any, path: tuple[str, ...]
+) -> Any:
+    """The help group of the field at ``path``: one per section of the config tree, and in a
+    section one per class of its dataclass hierarchy (``grpo``: the trainer's optimisation
+    and LoRA settings, then GRPO's own)."""
+    section, node, owner = path[:-1], config, None
+    for key in section:
+        owner = next(f for f in dataclasses.fields(node) if f.name == key)
+        node = getattr(node, key)
+    declared = _declared_by(type(node), path[-1])
+    if (section, declared) not in groups:
+        about = owner.metadata.get("help", "") if owner is not None else ""
+        if declared is not type(node) or not about:  # a base class's fields, or the top
+            about = declared.__doc__ or declared.__name__
+        title = f"{'.'.join(section) or 'top level'}: {_summary(about)}"
+        groups[section, declared] = parser.add_argument_group(title.replace("%", "%%"))
+    return groups[section, declared]
+
+
+def _states_default(text: str, default: Any) -> bool:
+    """Whether ``(default: X)`` would add nothing: the help states the default itself
+    (``"(default runs/<env>-<time>)"``), or it is None (what None means the help says)."""
+    return default is None or "default" in text.lower()
+
+
 def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[str, ...]]:
     """Add one flag per leaf field of ``config`` (a default instance) to ``parser``.
 
-    Flags are ``--field-name`` (``--field_name`` also works), their help the field's help
-    and the default shown the instance's. Given flags land in the namespace under their
-    path joined by ``.``; flags not given are absent (so they cannot override a file).
+    Flags are ``--field-name``, grouped in the help by section; ``--field_name`` also works
+    (not shown). Their help is the field's, followed by the instance's default unless the
+    help states it. Given flags land in the namespace under their path joined by ``.``;
+    flags not given are absent (so they cannot override a file).
     Returns ``{dest: path}`` for :func:`flag_overrides`.
 
     Raises:
@@ -215,9 +256,7 @@ def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[s
     """
     dests: dict[str, tuple[str, ...]] = {}
     seen: dict[str, tuple[str, ...]] = {}
-    group = parser.add_argument_group(
-        f"{type(config).__name__} (every field; also settable in --config FILE)"
-    )
+    groups: dict[Any, Any] = {}
     for path, f, tp, default in _leaves(config):
         name = path[-1]
         if name in seen:
@@ -228,7 +267,7 @@ def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[s
         seen[name] = path
         dest = ".".join(path)
         dests[dest] = path
-        flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
+        flag = f"--{name.replace('_', '-')}"
         text = f.metadata.get("help", "")
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
         base, optional = _scalar(tp)
@@ -239,16 +278,20 @@ def add_flags(parser: argparse.ArgumentParser, config: Any) -> dict[str, tuple[s
             item = (typing.get_args(base) or (str,))[0]  # list[float]: each item a float
             kwargs.update(nargs="*", metavar="ITEM")
             if item in (int, float):
-                kwargs.update(type=_converter(item, False, flags[0]), metavar=item.__name__.upper())
+                kwargs.update(type=_converter(item, False, flag), metavar=item.__name__.upper())
         elif origin is dict or base is dict:
             kwargs.update(type=parse_json_object, metavar="JSON")
         elif base in (int, float, str):
-            kwargs.update(type=_converter(base, optional, flags[0]), metavar=base.__name__.upper())
+            kwargs.update(type=_converter(base, optional, flag), metavar=base.__name__.upper())
         else:
             kwargs.update(type=str)
-        shown = json.dumps(default) if isinstance(default, dict | list) else default
-        kwargs["help"] = f"{text} (default: {shown})".replace("%", "%%")
-        group.add_argument(*flags, **kwargs)
+        if not _states_default(text, default):
+            shown = json.dumps(default) if isinstance(default, dict | list) else default
+            text = f"{text} (default: {shown})"
+        group = _group(parser, groups, config, path)
+        group.add_argument(flag, **kwargs, help=text.replace("%", "%%"))
+        if "_" in name:  # the underscore spelling works too; the help shows one
+            group.add_argument(f"--{name}", **kwargs, help=argparse.SUPPRESS)
     return dests
 
 

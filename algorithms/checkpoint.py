@@ -11,6 +11,9 @@ A checkpoint is a folder::
     rng_state.pt           python, numpy, torch (and CUDA) RNG states of the main process
     critic.pt              GRPO with credit="gae": the value head and its optimizer state
     trainer_state.json     {"step": ..., "config": {...GRPOConfig...}, "quantize": "nf4" | null}
+    run.json               the run the trainer's ``run_record`` describes, if it has one: the
+                           env it trained on and its rollout settings (``agentenv train`` and
+                           ``sft`` set it; ``agentenv eval --adapter`` reads it back)
     checkpoint_complete.json   written last: {"step": ...}
 
 Everything is written into ``<path>.tmp-<pid>`` next to the target, fsynced, marked complete
@@ -76,6 +79,7 @@ class Checkpointable(Protocol):
 
 
 MARKER = "checkpoint_complete.json"
+RUN_FILE = "run.json"  # the trainer's run_record (agentenv.run.recorded)
 _MUST_MATCH = ("use_lora", "lora_r", "lora_alpha", "lora_target_modules", "lora_layers")
 
 
@@ -205,6 +209,9 @@ def save_checkpoint(trainer: Checkpointable, path: str | Path) -> Path:
                 "quantize": quantization_of(model),  # QLoRA's 4-bit base, for export
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            run = getattr(trainer, "run_record", None)  # set by agentenv train / sft
+            if run is not None:
+                (tmp / RUN_FILE).write_text(json.dumps(run, indent=2))
 
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

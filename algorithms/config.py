@@ -24,7 +24,6 @@ REFERENCES = ("initial", "base")
 REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
 CREDITS = ("bandit", "turn", "gae")
-TURN_BASELINES = ("group", "index")  # what a turn's return is compared with under credit=turn
 CRITIC_INPUTS = ("learner", "sampler")  # where credit=gae's critic reads its hidden states
 VALUE_LR = 1e-3  # the critic's AdamW LR: a linear head on fixed features learns fast
 
@@ -76,11 +75,9 @@ class TrainerConfig:
         None,
         "Tokens per forward/backward: GRPO's micro-batch as its prefix tree (a prefix its "
         "episodes share counted once), SFT's sequences x padded length. None: by the "
-        "model's device, on a CPU GRPO "
-        f"{GRPO_MICRO_BATCH_TOKENS['cpu']} / SFT {SFT_MICRO_BATCH_TOKENS['cpu']} (as fast "
-        "as any, and a step stays near 3 GB), on a GPU "
-        f"{GRPO_MICRO_BATCH_TOKENS['gpu']} (fewer, larger passes; raise it where memory "
-        "allows).",
+        f"model's device, on a CPU GRPO {GRPO_MICRO_BATCH_TOKENS['cpu']} / SFT "
+        f"{SFT_MICRO_BATCH_TOKENS['cpu']}, on a GPU {GRPO_MICRO_BATCH_TOKENS['gpu']} (raise "
+        "it where memory allows).",
     )
     max_grad_norm: float = option(1.0, "Global gradient-norm clip.")
     weight_decay: float = option(0.0, "AdamW weight decay.")
@@ -94,7 +91,7 @@ class TrainerConfig:
     lora_dropout: float = option(0.0, "Dropout on the LoRA input.")
     lora_target_modules: list[str] = option(LORA_TARGETS, "Module names that get adapters.")
     lora_layers: int | None = option(
-        None, "Adapt only the last N layers (None: all); backward then stops there (CPU speed)."
+        None, "Adapt only the last N layers (None: all); backward then stops there."
     )
     gradient_checkpointing: bool = option(False, "Recompute activations: less memory, slower.")
 
@@ -183,7 +180,7 @@ class GRPOConfig(TrainerConfig):
         "How an episode's tokens share credit. bandit: every policy token gets the episode's "
         "advantage (one reward per episode). turn: a turn's tokens also get turn_weight x "
         "its return of the env's per-turn rewards (info['turn_reward'], from that turn on, "
-        "discounted by turn_gamma), less a baseline (turn_baseline), normalised like the "
+        "discounted by turn_gamma), less the group's mean over its turns, normalised like the "
         "outcome. "
         "gae: a critic (a value head on the policy's last hidden state) predicts the return "
         "before each turn; a turn's tokens get its GAE(turn_gamma, gae_lambda) advantage over "
@@ -195,14 +192,6 @@ class GRPOConfig(TrainerConfig):
         "credit=turn|gae: the weight of the env's per-turn rewards against the outcome "
         "(turn: of their return's advantage; gae: of each turn's reward).",
     )
-    turn_baseline: str = option(
-        "group",
-        "credit=turn: what a turn's return is compared with. group: the mean (and std) of "
-        "every turn's return in the group, one constant (a later turn's return holds fewer "
-        "rewards, so its term is lower whatever it did). index: those of the group's "
-        "returns at the same turn index (a function of the turn's state, so unbiased too; "
-        "not verl #7244's per-index normalised rewards summed into a return).",
-    )
     turn_gamma: float = option(
         1.0, "credit=turn|gae: the discount of later turns' rewards in a turn's return (0-1)."
     )
@@ -210,12 +199,6 @@ class GRPOConfig(TrainerConfig):
         0.95,
         "credit=gae: GAE's lambda over turns (1: the return less the critic's value, "
         "unbiased; 0: one-turn TD error, lowest variance).",
-    )
-    gae_mix: float = option(
-        0.0,
-        "credit=gae: the share of the group-relative outcome advantage in a turn's "
-        "advantage: (1 - gae_mix) x GAE + gae_mix x the bandit's advantage (0: the critic's "
-        "alone).",
     )
     value_lr: float = option(
         VALUE_LR, "credit=gae: the critic's AdamW LR (its own optimizer; see value_epochs)."
@@ -228,9 +211,9 @@ class GRPOConfig(TrainerConfig):
     critic_input: str = option(
         "learner",
         "credit=gae: where the critic's input, the policy's hidden state before each turn, "
-        "comes from. learner: one no-grad forward of the batch under the pre-update weights "
-        "(a quarter of gae's learn phase on a CPU). sampler: the states the sampler computed "
-        "when it drew each turn's first token (Episode.turn_hidden): no forward, the same "
+        "comes from. learner: one no-grad forward of the batch under the pre-update weights. "
+        "sampler: the states the sampler recorded when it drew each turn's first token "
+        "(Episode.turn_hidden; recorded only under this setting): no forward, the same "
         "weights through the sampler's kernels, so the values differ by rounding and the "
         "run's numbers with them; engines that record none (vllm, server) are refused.",
     )
@@ -257,7 +240,6 @@ class GRPOConfig(TrainerConfig):
             "reference": REFERENCES,
             "reward_combination": REWARD_COMBINATIONS,
             "credit": CREDITS,
-            "turn_baseline": TURN_BASELINES,
             "critic_input": CRITIC_INPUTS,
         }
         for name, allowed in choices.items():
@@ -274,7 +256,6 @@ class GRPOConfig(TrainerConfig):
             (self.turn_weight >= 0, "turn_weight", "must be >= 0"),
             (0 <= self.turn_gamma <= 1, "turn_gamma", "must be in [0, 1]"),
             (0 <= self.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]"),
-            (0 <= self.gae_mix <= 1, "gae_mix", "must be in [0, 1]"),
             (self.value_lr > 0, "value_lr", "must be > 0"),
             (self.value_epochs >= 1, "value_epochs", "must be >= 1"),
             (
@@ -343,13 +324,15 @@ class EvolutionConfig:
     evolve_every: int = option(
         5,
         "Steps between evolutions: every member's fitness is measured, a tournament picks "
-        "the parents and the losers become mutated copies of winners (0: never; the members "
-        "train independently).",
+        "the parents and the losers become copies of winners, mutated with mutation_prob, "
+        "each drawing its own episodes (0: never; the members train independently).",
     )
     validation_tasks: int = option(
-        16,
-        "Fitness: a member's mean reward, greedy, on the train split's first N tasks (a "
-        "fixed slice; never the test split).",
+        64,
+        "Fitness: a member's mean reward on the validation slice of the train split: N "
+        "tasks chosen by a stable hash of their index, never drawn for training while "
+        "population > 1; one episode each, sampled at the run's temperature from a fixed "
+        "seed (the same draws for every member).",
     )
     tournament_size: int = option(
         2, "Members drawn (without replacement) for each tournament; the fittest wins."

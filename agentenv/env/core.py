@@ -270,13 +270,15 @@ class ToolEnv(TextEnv):
         return obs, 0.0, False, truncated, info
 
     def format_reminder(self) -> str:
-        """Feedback for an action with neither a tool call nor an answer."""
+        """Feedback for an action with neither a tool call nor an answer. It shows the tags
+        without a placeholder answer between them: a model that echoes it answers nothing,
+        rather than ``"..."``."""
+        if not isinstance(self.parser, HermesParser):
+            return "No tool call or final answer found. " + self.parser.format_instructions([])
         return (
             "No tool call or final answer found. Call a tool with "
             '<tool_call>{"name": ..., "arguments": {...}}</tool_call> or give the final '
-            "answer as <answer>...</answer>."
-            if isinstance(self.parser, HermesParser)
-            else "No tool call or final answer found. " + self.parser.format_instructions([])
+            f"answer alone inside <{self.parser.answer_tag}> tags."
         )
 
     def render(self) -> str | None:

@@ -14,13 +14,14 @@ returns the environment itself, and its attributes (``num_tasks``, ``split``,
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
 from gymnasium.envs.registration import EnvSpec
 
-from agentenv.errors import RegistrationError, UnknownEnvError
+from agentenv.errors import InvalidOptionError, RegistrationError, UnknownEnvError
 
 NAMESPACE = "agentenv"
 
@@ -159,8 +160,44 @@ def make(id: str, **kwargs: Any) -> gym.Env:  # noqa: A002
     Example:
         >>> env = make("Calculator-v0", split="test")
         >>> obs, info = env.reset(seed=0)
+
+    Raises:
+        UnknownEnvError: the id is not registered (naming the close ones).
+        InvalidOptionError: a keyword the env's constructor does not take (naming the
+            closest it does), before the env is built.
     """
-    return gym.make(spec(id).id, **kwargs)
+    env_spec = spec(id)
+    check_kwargs(env_spec, kwargs)
+    return gym.make(env_spec.id, **kwargs)
+
+
+_MAKE_KWARGS = ("max_episode_steps", "disable_env_checker")  # gymnasium.make's own
+
+
+def check_kwargs(env_spec: EnvSpec, kwargs: dict[str, Any]) -> None:
+    """Raise :class:`InvalidOptionError` for a key of ``kwargs`` that the env's constructor
+    does not take, naming the closest one it does and all of them. A constructor that
+    takes ``**kwargs`` (or whose signature cannot be read) accepts any key."""
+    from gymnasium.envs.registration import load_env_creator
+
+    creator = env_spec.entry_point
+    try:
+        creator = load_env_creator(creator) if isinstance(creator, str) else creator
+        params = list(inspect.signature(creator).parameters.values())
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return  # gymnasium.make reports what is wrong with the entry point
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    valid = [p.name for p in params if p.kind in named]
+    for key in kwargs:
+        if key not in valid and key not in _MAKE_KWARGS:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise InvalidOptionError(
+                f"{env_spec.id} takes no argument {key!r} (env kwargs); {hint}"
+                f"its arguments: {', '.join(valid)}"
+            )
 
 
 def _register_bundled() -> None:

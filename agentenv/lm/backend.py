@@ -91,7 +91,7 @@ class EngineConfig:
         None,
         "agentenv: most tokens drafted from the context (prompt lookup) and verified in one "
         "decode step; exact: each row takes the tokens drawing one at a time gives. None: "
-        "4 on a CPU, 0 on a GPU (not measured there); 0: off.",
+        "4 on a CPU, 0 on a GPU; 0: off.",
     )
     fast_paths_off: list[str] = option(
         [],
@@ -106,8 +106,8 @@ class EngineConfig:
     )
     vllm_enforce_eager: bool = option(
         True,
-        "vllm: run the model uncompiled (starts in seconds; on a GPU set it false: CUDA "
-        "graphs decode faster after a minute or two of compiling).",
+        "vllm: run the model uncompiled (starts at once; on a GPU set it false: CUDA graphs "
+        "decode faster once compiled).",
     )
     vllm_sleep_mode: bool = option(
         False,

@@ -24,9 +24,8 @@ class RolloutConfig:
         "lockstep",
         "lockstep: every turn of the batch is one generate call, then every env steps. "
         "continuous: each episode advances on its own; its next turn joins the running "
-        "batch as soon as its env answers (no turn waits for the slowest row; on a 2-core "
-        "CPU as fast for short contexts, slower for RAG's; on a GPU faster for RAG's long "
-        "env replies: see docs/benchmarks.md).",
+        "batch as soon as its env answers (no turn waits for the slowest row; which is "
+        "faster depends on the env and the device: docs/benchmarks.md).",
     )
     max_concurrency: int = option(
         64, "continuous batching: most episodes decoding at once; the others wait."

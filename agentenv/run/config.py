@@ -29,10 +29,10 @@ T = TypeVar("T")
 
 @dataclasses.dataclass
 class CommandConfig:
-    """What every command's run config has (``TrainConfig``, ``SFTRunConfig`` and
-    ``EvalRunConfig`` extend it): the env, the model, and where and in which dtype it
-    computes. Subclasses' ``__post_init__`` call this one: it turns sections given as
-    dicts into their dataclass and rejects a bad dtype before any model loads."""
+    """The env, the model, its device and dtype: what every command's run config has
+    (``TrainConfig``, ``SFTRunConfig`` and ``EvalRunConfig`` extend it). Subclasses'
+    ``__post_init__`` call this one: it turns sections given as dicts into their dataclass
+    and rejects a bad dtype before any model loads."""
 
     env_id: str = option("Calculator-v0", "Registered environment id (or module:Name-v0).")
     env_kwargs: dict[str, Any] = option({}, "Constructor arguments of the env (both splits).")
@@ -246,7 +246,12 @@ class EvalConfig:
 class EvalRunConfig(CommandConfig):
     """Settings of an ``agentenv eval`` run; ``eval`` is the evaluation's section."""
 
-    adapter: str | None = option(None, "Checkpoint folder to apply (adapter/ or model/).")
+    adapter: str | None = option(
+        None,
+        "Checkpoint folder to apply (adapter/ or model/). The env, env kwargs, max_turns, "
+        "max_new_tokens, max_episode_tokens and quantize its run trained with apply unless "
+        "given.",
+    )
     label: str | None = option(None, "Name of the model in the report (default: model+adapter).")
     judge: str | None = option(
         None,

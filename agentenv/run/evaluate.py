@@ -2,7 +2,10 @@
 
 Task ``i`` of the split is always evaluated as ``reset(seed=seed + i,
 options={"task_id": i})``, so two evaluations with the same settings see the same
-tasks and can be compared pairwise (:func:`compare`).
+tasks and can be compared pairwise (:func:`compare`). Sampled evaluations
+(``temperature > 0``) draw each episode's tokens from seeds of ``(seed, task, sample,
+turn)`` (:func:`agentenv.rollout.collect.trajectory_seed`), so they are reproducible and
+do not depend on ``tasks_per_batch`` or on which tasks share a batch.
 """
 
 from __future__ import annotations
@@ -103,8 +106,10 @@ def evaluate(
     label: str = "",
     show_progress: bool = True,
     judge: Any = None,
+    about: dict[str, Any] | None = None,
+    task_ids: Sequence[int] | None = None,
 ) -> EvalReport:
-    """Run the policy on the first ``num_tasks`` tasks of the split.
+    """Run the policy on the first ``num_tasks`` tasks of the split (or on ``task_ids``).
 
     Args:
         make_env: Builds one env instance of the split to evaluate.
@@ -116,11 +121,18 @@ def evaluate(
         judge: An :class:`~agentenv.run.judge.LLMJudge`: each final answer is also graded
             against the task's reference (``judge_score``: mean over episodes, 0 for an
             episode without an answer; ``judge_failures``: grades that fell back).
+        about: What else the report's config records: ``env_id``, ``env_kwargs``,
+            ``model``, ``adapter`` (:func:`format_table` heads the table with them).
+        task_ids: The split's tasks to evaluate, by index, instead of its first
+            ``num_tasks`` (a population's validation slice); ``per_task`` follows their order.
     """
     config = config or EvalConfig()
-    probe = make_env()
-    total = probe.num_tasks if config.num_tasks is None else min(config.num_tasks, probe.num_tasks)
-    probe.close()
+    if task_ids is None:
+        probe = make_env()
+        n = probe.num_tasks
+        probe.close()
+        task_ids = range(n if config.num_tasks is None else min(config.num_tasks, n))
+    total = len(task_ids)
     rollout = RolloutConfig(
         group_size=config.samples,
         max_turns=config.max_turns,
@@ -131,7 +143,7 @@ def evaluate(
     groups: list[list[Episode]] = []
     bar = tqdm(total=total, desc=f"eval {label}".strip(), disable=not show_progress)
     for start in range(0, total, config.tasks_per_batch):
-        ids = range(start, min(start + config.tasks_per_batch, total))
+        ids = task_ids[start : start + config.tasks_per_batch]
         batch, _ = collect(
             make_env,
             [config.seed + i for i in ids],
@@ -139,6 +151,7 @@ def evaluate(
             fmt,
             rollout,
             options=[{"task_id": i} for i in ids],
+            sample_seed=config.seed,  # sampled episodes: the same however tasks are batched
         )
         groups.extend(batch)
         bar.update(len(ids))
@@ -146,16 +159,21 @@ def evaluate(
     per_task = [sum(bool(e.info.get("correct")) for e in g) / len(g) for g in groups]
     metrics = summarize(groups)
     if judge is not None:
-        metrics.update(_judge(make_env, groups, judge))
-    return EvalReport(metrics, per_task, asdict(config), label)
+        metrics.update(_judge(make_env, task_ids, groups, judge))
+    return EvalReport(metrics, per_task, {**(about or {}), **asdict(config)}, label)
 
 
-def _judge(make_env: Callable[[], gym.Env], groups: list[list[Episode]], judge: Any) -> dict:
+def _judge(
+    make_env: Callable[[], gym.Env],
+    task_ids: Sequence[int],
+    groups: list[list[Episode]],
+    judge: Any,
+) -> dict:
     """Grade every answered episode (one batched judge call); store each grade in its info."""
     env = make_env()
     try:
         items, answered = [], []
-        for task_id, group in enumerate(groups):
+        for task_id, group in zip(task_ids, groups, strict=True):
             task = env.unwrapped.get_task(task_id)
             gold = task.answer[0] if isinstance(task.answer, list | tuple) else task.answer
             for episode in group:
@@ -188,18 +206,48 @@ def compare(a: EvalReport, b: EvalReport) -> dict[str, float]:
     return {"accuracy_diff": mean, "accuracy_diff_stderr": math.sqrt(var / n)}
 
 
+def _what(report: EvalReport) -> dict[str, str]:
+    """What a report evaluated, as the table's heading shows it (keys its config has)."""
+    config, out = report.config, {}
+    if config.get("env_id"):
+        kwargs = config.get("env_kwargs") or {}
+        out["env"] = config["env_id"] + (f" {json.dumps(kwargs)}" if kwargs else "")
+    if "split" in config:
+        tasks = int(report.metrics.get("num_tasks", len(report.per_task)))
+        out["split"] = f"{config['split']} ({tasks} tasks, seed {config.get('seed', 0)})"
+    if config.get("model"):
+        out["model"] = config["model"]
+    if "adapter" in config:
+        out["adapter"] = config["adapter"] or "none"
+    return out
+
+
 def format_table(reports: Sequence[EvalReport]) -> str:
-    """A plain-text table of the reports' metrics, side by side."""
+    """A plain-text table of the reports' metrics, side by side, headed by what they
+    evaluated (env, env kwargs, split, model, adapter); with two reports, the paired
+    accuracy difference of the second over the first, labelled with their names."""
     keys = [k for k in reports[0].metrics if all(k in r.metrics for r in reports)]
     names = [r.label or f"run {i}" for i, r in enumerate(reports)]
     width = max(12, *(len(n) for n in names))
-    lines = [f"{'metric':22s}" + "".join(f"{n:>{width + 2}s}" for n in names)]
+    lines = []
+    heads = [_what(r) for r in reports]
+    for what in ("env", "split", "model", "adapter"):
+        values = [h.get(what, "?") for h in heads]
+        if all(v == "?" for v in values):
+            continue
+        shown = (
+            values[0]
+            if len(set(values)) == 1
+            else "; ".join(f"{n}: {v}" for n, v in zip(names, values, strict=True))
+        )
+        lines.append(f"{what + ':':9s}{shown}")
+    lines.append(f"{'metric':22s}" + "".join(f"{n:>{width + 2}s}" for n in names))
     for k in keys:
         lines.append(f"{k:22s}" + "".join(f"{r.metrics[k]:>{width + 2}.4f}" for r in reports))
     if len(reports) == 2:
         d = compare(reports[0], reports[1])
         lines.append(
-            f"{'accuracy diff (b-a)':22s}{d['accuracy_diff']:>{width + 2}.4f} "
+            f"accuracy diff ({names[1]} - {names[0]}): {d['accuracy_diff']:+.4f} "
             f"± {d['accuracy_diff_stderr']:.4f} (paired stderr)"
         )
     return "\n".join(lines)

@@ -89,6 +89,9 @@ def export_checkpoint(
         InvalidOptionError: ``checkpoint`` is not a checkpoint, ``out`` exists, or ``dtype``
             is not float32 / bfloat16. Checked before any model loads.
     """
+    from agentenv.run.recorded import check_checkpoint, checkpoint_env
+
+    check_checkpoint(checkpoint, "CHECKPOINT")
     checkpoint, out = resolve_checkpoint(checkpoint, say=True), Path(out)
     if not ((checkpoint / "adapter").is_dir() or (checkpoint / "model").is_dir()):
         raise InvalidOptionError(
@@ -107,6 +110,11 @@ def export_checkpoint(
 
     base = base_model_for(checkpoint, model)
     quantized = checkpoint_quantize(checkpoint)
+    trained_on, env = None, checkpoint_env(checkpoint)
+    if env is not None:  # said on stderr and in the export's README
+        kwargs = env["env_kwargs"]
+        trained_on = env["env_id"] + (f" {json.dumps(kwargs)}" if kwargs else "")
+        print(f"note: {checkpoint} trained on {trained_on}", file=sys.stderr)
     policy, tokenizer = models.load(base, dtype="float32", device="cpu", quantize=quantized)
     if quantized:  # the adapter learned against the 4-bit weights: merge into those
         print(
@@ -128,7 +136,9 @@ def export_checkpoint(
             f"# Exported by agentenv\n\nBase model: `{base}`\nCheckpoint: `{checkpoint}`\n"
             f"Weights: LoRA merged in float32"
             + (f" into the {quantized} base, de-quantized" if quantized else "")
-            + f", saved as {dtype}.\n\n"
+            + f", saved as {dtype}.\n"
+            + (f"Trained on: `{trained_on}` (agentenv env id and kwargs).\n" if trained_on else "")
+            + "\n"
             "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
             f'tokenizer = AutoTokenizer.from_pretrained("{out}")\n```\n'

@@ -12,8 +12,10 @@ from pathlib import Path
 
 from agentenv import config as config_lib
 from agentenv.env.registration import env_name
+from agentenv.errors import InvalidOptionError
 from agentenv.lm.precision import resolve_dtype
 from agentenv.run.config import SFTRunConfig
+from agentenv.run.recorded import run_record
 
 
 def sft(config: SFTRunConfig) -> Path:
@@ -28,6 +30,7 @@ def sft(config: SFTRunConfig) -> Path:
     from agentenv.run.train import processes
     from algorithms.sft import SFT
 
+    check_demonstrations(config)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(config.output_dir or f"runs/sft-{env_name(config.env_id)}-{stamp}")
     main = processes()[1] == 0  # under several processes, only the main one writes
@@ -53,6 +56,7 @@ def sft(config: SFTRunConfig) -> Path:
         max_episode_tokens=config.max_episode_tokens,
     )
     trainer = SFT(model, tokenizer, sft_config, seed=config.seed, dtype=compute)
+    trainer.run_record = run_record(config_lib.to_dict(config))  # the checkpoint's run.json
     history = trainer.fit(episodes)
     if main:
         with (run_dir / "metrics.jsonl").open("w") as f:
@@ -66,3 +70,27 @@ def sft(config: SFTRunConfig) -> Path:
     del trainer, model, episodes
     models.release_memory()  # the heap kept ~1 GB of SFT's leftovers (the quickstart's peak)
     return path
+
+
+def check_demonstrations(config: SFTRunConfig) -> None:
+    """Raise, before any model loads, if the env offers no demonstration for the first task
+    ``sft`` would replay (its ``demonstration(task)`` returns None)."""
+    from agentenv.env.registration import make
+
+    env = make(config.env_id, split="train", **config.env_kwargs)
+    try:
+        env.reset(seed=config.seed)
+        demonstration = getattr(env.unwrapped, "demonstration", None)
+        task = getattr(env.unwrapped, "task", None)
+        actions = demonstration(task) if demonstration is not None else None
+    finally:
+        env.close()
+    if not actions:
+        kwargs = f" {json.dumps(config.env_kwargs)}" if config.env_kwargs else ""
+        raise InvalidOptionError(
+            f"{config.env_id}{kwargs} offers no demonstrations (its demonstration(task) "
+            "returned None), and `agentenv sft` learns from them: give the env a "
+            "demonstration(task) method returning the expert's actions, one string per turn "
+            "(examples/custom_env.py has one), or choose env kwargs whose tasks have them; "
+            "or skip SFT and start `agentenv train` from the base model"
+        )

@@ -13,8 +13,9 @@ process's share; the loss, KL and clip metrics are global.
 The run directory holds ``config.json``, ``metrics.jsonl``, TensorBoard events,
 ``episodes/step_N.jsonl``, ``checkpoints/step_N`` (written atomically) and, at the end,
 ``plots/*.png`` and ``eval/{before,after}.json``. ``resume=True`` continues from the
-last complete checkpoint; task seeds and sampling seeds are functions of ``(seed, step)``,
-so a resumed run sees the same tasks, and draws the same tokens, as an uninterrupted one.
+last complete checkpoint; task seeds and sampling seeds are functions of ``(seed, step)``
+(a population member's also of its lineage, :mod:`agentenv.run.population`), so a resumed
+run sees the same tasks, and draws the same tokens, as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from agentenv.run import population as population_lib
 from agentenv.run.config import TrainConfig
 from agentenv.run.export import load_from_checkpoint
 from agentenv.run.no_signal import SignalWatch, env_offers, no_signal_message
+from agentenv.run.recorded import check_checkpoint, run_record
 
 
 def task_seeds(seed: int, step: int, n: int) -> list[int]:
@@ -166,11 +168,12 @@ def train(
             f"(each collects batch_size / {world} tasks a step); set batch_size to "
             f"{world * -(-config.batch_size // world)}"
         )
+    make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
+    check_checkpoint(config.init_from, "--init-from")
     main = rank == 0
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_json(run_dir / "config.json", config_lib.to_dict(config))  # the effective one
-    make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
     if config.generation.engine == "server" and not config.grpo.use_lora:
         raise InvalidOptionError(
             "engine server can send only a LoRA adapter to the server after each step; full "
@@ -180,6 +183,7 @@ def train(
         )
     check_engine(config.generation)
     population_lib.check_population(config)
+    split = population_lib.task_split(config, say=main)  # population > 1: fitness's tasks
     if config.generation.engine != "agentenv" and world > 1:
         raise InvalidOptionError(
             f"engine {config.generation.engine} runs in one process; with {world} processes "
@@ -207,6 +211,7 @@ def train(
         seed=config.seed,
         dtype=compute,
     )
+    algo.run_record = run_record(config_lib.to_dict(config))  # run.json in each checkpoint
     population, lineage = None, []  # evolution.population > 1: agentenv.run.population
     if config.evolution.population > 1:
         from algorithms.population import Population
@@ -236,7 +241,12 @@ def train(
     )
     fmt = ChatFormat(tokenizer)
     policy = make_policy(
-        config.generation, algo.unwrapped_model, tokenizer, model_name=config.model, dtype=compute
+        config.generation,
+        algo.unwrapped_model,
+        tokenizer,
+        model_name=config.model,
+        dtype=compute,
+        record_hidden=grpo_cfg.credit == "gae" and grpo_cfg.critic_input == "sampler",
     )
     eval_cfg = EvalConfig(
         num_tasks=config.eval_tasks or None,
@@ -258,7 +268,10 @@ def train(
             population.activate(population.best())
         policy.refresh()  # every process: gathering sharded weights is a collective
         if main:
-            report = evaluate(test_env, policy, fmt, eval_cfg, label=label, show_progress=False)
+            about = {"env_id": config.env_id, "env_kwargs": config.env_kwargs}
+            report = evaluate(
+                test_env, policy, fmt, eval_cfg, label=label, show_progress=False, about=about
+            )
             report.save(run_dir / "eval" / f"{label}.json")
         acc.wait_for_everyone()
         return report
@@ -273,8 +286,9 @@ def train(
         watch = SignalWatch()  # says once if no group has a learning signal for long
         bar = tqdm(steps, initial=start, total=config.steps, desc="train", disable=not main)
 
-        def one_step(step: int, rollout_cfg: Any) -> tuple[list, dict[str, float]]:
-            """Collect the step's episodes, then learn from them (the active member's)."""
+        def one_step(step: int, rollout_cfg: Any, lineage_id: int = 0) -> tuple[list, dict]:
+            """Collect the step's episodes, then learn from them (the active member's, whose
+            lineage seeds its draws)."""
             seeds = task_share(config.seed, step, config.batch_size, rank, world)
             groups, metrics = collect(
                 train_env,
@@ -282,7 +296,10 @@ def train(
                 policy,
                 fmt,
                 rollout_cfg,
-                sample_seed=sampling_seed(config.seed, step),
+                options=split.training_options(seeds) if split else None,
+                sample_seed=population_lib.member_sample_seed(
+                    sampling_seed(config.seed, step), lineage_id
+                ),
             )
             _check_failures(groups, config.max_failed_fraction, step + 1, ckpt_dir, acc)
             if hasattr(policy, "release_weights"):  # packed copies the update makes stale
@@ -308,7 +325,8 @@ def train(
                     member_rollout = dataclasses.replace(
                         rollout, sampling=population.sampling(index)
                     )
-                    groups, member = one_step(step, member_rollout)
+                    lineage_id = population.members[index].lineage_id
+                    groups, member = one_step(step, member_rollout, lineage_id)
                     per_member.append(member)
                 metrics = population_lib.mean_metrics(per_member)
                 for index, member in enumerate(per_member):
@@ -319,7 +337,7 @@ def train(
                 evolve_now = evo.evolve_every and done % evo.evolve_every == 0
                 if evolve_now or done == config.steps:  # the last step: to pick the best
                     fitness = population_lib.measure_fitness(
-                        population, train_env, policy, fmt, config, main
+                        population, train_env, policy, fmt, config, main, split
                     )
                     metrics.update({f"member{i}/fitness": f for i, f in enumerate(fitness)})
                     if evolve_now and done < config.steps:

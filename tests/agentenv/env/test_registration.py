@@ -3,7 +3,7 @@ import pytest
 
 import agentenv
 from agentenv.env.registration import full_id
-from agentenv.errors import RegistrationError, UnknownEnvError
+from agentenv.errors import InvalidOptionError, RegistrationError, UnknownEnvError
 
 
 @pytest.fixture
@@ -44,6 +44,26 @@ def test_register_refuses_duplicates_and_bad_entry_points(tiny_env_id):
     agentenv.register(tiny_env_id, entry_point="envs.calculator:CalculatorEnv", override=True)
     with pytest.raises(RegistrationError, match="package.module:ClassName"):
         agentenv.register("Other-v0", entry_point="envs.calculator.CalculatorEnv")
+
+
+def test_a_misspelt_constructor_argument_names_the_closest_one():
+    with pytest.raises(InvalidOptionError) as err:
+        agentenv.make("Calculator-v0", sourc="word_problems")
+    message = str(err.value)
+    assert "takes no argument 'sourc'" in message and "did you mean 'source'?" in message
+    assert "its arguments: split, source, num_tasks" in message
+    agentenv.make("Calculator-v0", source="word_problems", max_episode_steps=3).close()
+
+
+def test_an_env_that_takes_any_keyword_is_not_checked():
+    def factory(**kwargs):
+        return gym.make("agentenv/Calculator-v0", num_tasks=kwargs["num_tasks"])
+
+    agentenv.register("AnyKwargs-v0", entry_point=factory)
+    try:
+        assert agentenv.make("AnyKwargs-v0", num_tasks=2, whatever=1).num_tasks == 2
+    finally:
+        agentenv.deregister("AnyKwargs-v0")
 
 
 def test_gymnasium_module_prefix_imports_agentenv():

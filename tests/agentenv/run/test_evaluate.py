@@ -130,6 +130,26 @@ def test_report_roundtrip_and_paired_compare(tmp_path):
         compare(a, EvalReport({}, [1.0]))
 
 
+def test_the_table_heads_with_what_was_evaluated_and_names_the_diff():
+    """The env, kwargs, split and adapter lead the table; the difference is labelled with
+    the reports' names (it said "(b-a)" under columns named "before" and "after")."""
+    env = {"env_id": "Calculator-v0", "env_kwargs": {"source": "word_problems"}}
+    config = {**env, "model": "m", "split": "test", "seed": 0}
+    before = EvalReport({"accuracy": 0.0}, [0.0, 0.0], {**config, "adapter": None}, "before")
+    after = EvalReport({"accuracy": 0.5}, [1.0, 0.0], {**config, "adapter": "ck"}, "after")
+    lines = format_table([before, after]).splitlines()
+    assert lines[:4] == [
+        'env:     Calculator-v0 {"source": "word_problems"}',
+        "split:   test (2 tasks, seed 0)",
+        "model:   m",
+        "adapter: before: none; after: ck",
+    ]
+    assert lines[4].split() == ["metric", "before", "after"]
+    assert lines[-1].startswith("accuracy diff (after - before): +0.5000 ± 0.5000")
+    # a report from before the heading (no env in its config) still prints
+    assert format_table([EvalReport({"accuracy": 1.0}, [1.0])]).startswith("metric")
+
+
 def test_eval_config_validation():
     with pytest.raises(InvalidOptionError, match="temperature"):
         EvalConfig(samples=4, temperature=0.0)
@@ -169,3 +189,43 @@ def test_eval_judge_settings_fail_before_the_model_loads(capsys):
 
     assert main(["eval", "--judge", "localhost:8000"]) == 2
     assert "judge must be 'local' or an http(s) base URL" in capsys.readouterr().err
+
+
+def test_a_sampled_eval_gives_the_same_episodes_however_its_tasks_are_batched(
+    tiny_model, tokenizer, monkeypatch
+):
+    """Without a seeded draw per episode, tasks batched 3 at a time and one at a time
+    sampled other tokens (the global generator advanced by the other rows)."""
+    import torch
+    from draws import assert_same_episode_draws
+
+    from agentenv.lm.backend import SamplingConfig
+    from agentenv.lm.sampler import TransformersPolicy
+    from agentenv.run import evaluate as evaluate_module
+
+    seen: list = []
+
+    def recording(*args, **kwargs):
+        groups, metrics = evaluate_module.collect.__wrapped__(*args, **kwargs)
+        seen[-1].extend(groups)
+        return groups, metrics
+
+    recording.__wrapped__ = evaluate_module.collect
+    monkeypatch.setattr(evaluate_module, "collect", recording)
+    policy = TransformersPolicy(tiny_model, tokenizer, dtype="float32")
+    reports = []
+    for per_batch in (3, 1):
+        seen.append([])
+        torch.manual_seed(per_batch)  # the global generator must not matter
+        config = EvalConfig(
+            num_tasks=3, samples=2, max_turns=2, max_new_tokens=12, temperature=1.0,
+            tasks_per_batch=per_batch, seed=5,
+        )  # fmt: skip
+        reports.append(
+            evaluate(make_env, policy, ChatFormat(tokenizer), config, show_progress=False)
+        )
+    assert reports[0].metrics["mean_tokens"] == reports[1].metrics["mean_tokens"]
+    assert_same_episode_draws(
+        seen[1], seen[0], model=tiny_model, sampling=SamplingConfig(12, temperature=1.0),
+        sample_seed=5,
+    )  # fmt: skip

@@ -81,7 +81,8 @@ def test_two_step_run_writes_every_artifact(tiny_model_dir, tmp_path, capsys):
     assert latest_checkpoint(run / "checkpoints").name == "step_000002"
     assert (run / "eval" / "before.json").exists() and (run / "eval" / "after.json").exists()
     out = capsys.readouterr().out
-    assert "accuracy diff (b-a)" in out and "plots:" in out
+    assert "accuracy diff (after - before)" in out and "plots:" in out
+    assert 'env:     Calculator-v0 {"source": "word_problems"' in out
     assert main(["show", str(run), "--step", "1"]) == 0
     html = (run / "viewer" / "step_000001.html").read_text()
     assert "class='p'" in html and "class='e'" in html
@@ -146,12 +147,16 @@ def test_sft_then_init_from_and_eval_adapter(tiny_model_dir, tmp_path, capsys):
     )
     ckpt = tmp_path / "sft" / "checkpoint"
     assert (ckpt / "adapter" / "adapter_model.safetensors").exists()
+    recorded = json.loads((ckpt / "run.json").read_text())  # what eval --adapter reuses
+    assert recorded == {"env_id": "Calculator-v0", "env_kwargs": ENV, "quantize": None}
     sft_rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").open()]
     assert sft_rows and all(r["sft/loss"] > 0 for r in sft_rows)
     run = train(
         config=config(tiny_model_dir, tmp_path / "grpo", steps=1, eval_tasks=0, init_from=str(ckpt))
     )
-    assert latest_checkpoint(run / "checkpoints") is not None
+    recorded = json.loads((latest_checkpoint(run / "checkpoints") / "run.json").read_text())
+    assert recorded["env_kwargs"] == ENV and recorded["max_turns"] == 2
+    assert recorded["max_new_tokens"] == 6 and recorded["max_episode_tokens"] == 256
     report = tmp_path / "eval.json"
     assert (
         main(
@@ -177,7 +182,7 @@ def test_sft_then_init_from_and_eval_adapter(tiny_model_dir, tmp_path, capsys):
     data = json.loads(report.read_text())
     assert data["metrics"]["num_tasks"] == 3 and len(data["per_task"]) == 3
     assert main(["eval", "--compare", str(report), str(report)]) == 0
-    assert "accuracy diff (b-a)" in capsys.readouterr().out
+    assert "+0.0000 ± 0.0000 (paired stderr)" in capsys.readouterr().out
 
 
 def test_config_file_and_flags_deep_merge_with_one_owner_per_value(tmp_path):
@@ -439,14 +444,22 @@ def test_the_example_recipes_resolve_and_their_envs_build(name):
 
 
 def _length_reward_env(**kwargs):  # noqa: ANN003, ANN202
-    """The word-problems Calculator, but every action ends the episode with a reward from
-    its length, so a tiny random model's groups have reward variance."""
+    """The word-problems Calculator, but every episode takes two actions: each is paid a
+    turn reward from its length (``info["turn_reward"]``) and the second ends the episode
+    with an outcome from its length, so a tiny random model's groups differ in both."""
     from envs.calculator.env import CalculatorEnv
 
     class LengthReward(CalculatorEnv):
+        def reset(self, *, seed=None, options=None):  # noqa: ANN001, ANN202
+            self.taken = 0
+            return super().reset(seed=seed, options=options)
+
         def step(self, action):  # noqa: ANN001, ANN202
             obs, _, _, _, info = super().step(action)
-            return obs, float(len(action) % 3), True, False, info
+            self.taken += 1
+            done = self.taken == 2
+            info["turn_reward"] = float(len(action) % 2)
+            return obs, float(len(action) % 3) if done else 0.0, done, False, info
 
     return LengthReward(**kwargs)
 
@@ -459,7 +472,7 @@ def _length_reward_env(**kwargs):  # noqa: ANN003, ANN202
         {"advantage_baseline": "global_mean"},
         {"reward_clip": 0.5, "advantage_norm": "mean_only"},
         {"credit": "turn"},
-        {"credit": "gae", "gae_mix": 0.5},
+        {"credit": "gae"},
         {"credit": "gae", "critic_input": "sampler"},
     ],
     ids=["default", "median", "global", "clip", "turn", "gae", "gae_sampler_states"],
@@ -487,7 +500,10 @@ def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkey
     ((want, groups, turns),) = trained
     logged = [json.loads(x) for x in (run / "episodes" / "step_000001.jsonl").open()]
     assert [e["advantage"] for e in logged] == pytest.approx(want) and any(want)
+    assert all(ep.num_turns == 2 for g in groups for ep in g)  # credit over two turns
     episodes = [ep for g in groups for ep in g][:4]
+    if turns:  # per-turn credit: the turns of an episode were trained apart
+        assert any(len(set(t)) == 2 for t in turns)
     want_turns = (
         turns[:4]
         if turns
@@ -500,8 +516,12 @@ def test_logged_advantages_are_the_trained_ones(tiny_model_dir, tmp_path, monkey
     ]
     assert [e["step_rewards"] for e in logged] == [ep.step_rewards for ep in episodes]
     assert [e["reward"] for e in logged] == [ep.reward for g in groups for ep in g]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    values = torch.tensor([a for t in turns for a in t] if turns else want, dtype=torch.float64)
+    (row,) = [m for m in metrics if "advantages/mean" in m]  # the logged are the trained ones
+    assert row["advantages/mean"] == pytest.approx(values.mean().item(), abs=1e-6)
+    assert row["advantages/std"] == pytest.approx(values.std(correction=0).item(), abs=1e-6)
     if grpo.get("critic_input") == "sampler":  # the critic read every episode's own states
-        metrics = [json.loads(x) for x in (run / "metrics.jsonl").open()]
         assert [m["critic/sampler_states"] for m in metrics if "critic/sampler_states" in m] == [1]
     if grpo.get("reward_clip"):  # what the loop wrote before: advantages of unclipped rewards
         rewards = torch.tensor([[ep.reward for ep in g] for g in groups])

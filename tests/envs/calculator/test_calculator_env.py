@@ -81,6 +81,17 @@ def test_hostile_calculator_calls_are_refused_in_episode():
     assert info["tool_errors"].keys() == {"calculator"}
 
 
+def test_a_model_that_echoes_the_format_reminder_gives_no_answer():
+    """The reminder held a literal "<answer>...</answer>": echoed, it answered "..."."""
+    env = agentenv.make("Calculator-v0", source="word_problems")
+    env.reset(seed=0)
+    reminder, *_ = env.step("The total is 12.")
+    assert reminder[0]["role"] == "user" and "<answer>" in reminder[0]["content"]
+    assert env.parser.parse(reminder[0]["content"]).answer is None
+    _, reward, term, trunc, info = env.step(reminder[0]["content"])
+    assert (term, "answer" in info) == (False, False)  # the episode goes on, unanswered
+
+
 def test_max_turns_truncates():
     env = agentenv.make("Calculator-v0", max_turns=2)
     env.reset(seed=0)
