@@ -454,10 +454,16 @@ class _Parser(argparse.ArgumentParser):
             if not flag.startswith("--"):
                 continue
             longer = [option for option in shown if option.startswith(flag)]  # a prefix
-            close = longer or difflib.get_close_matches(flag, shown, n=1, cutoff=0.6)
+            initials = [o for o in shown if "-" in o[2:] and _initials(o) == flag[2:]]  # --lr
+            close = initials or longer or difflib.get_close_matches(flag, shown, n=1, cutoff=0.6)
             if close:
                 return f"; did you mean {' or '.join(close[:3])}?"
         return ""
+
+
+def _initials(option: str) -> str:
+    """``"--learning-rate"`` -> ``"lr"``: what ``--lr`` abbreviates."""
+    return "".join(word[:1] for word in option[2:].split("-"))
 
 
 def _env_args(p: argparse.ArgumentParser) -> None:

@@ -4,8 +4,10 @@ Task ``i`` of the split is always evaluated as ``reset(seed=seed + i,
 options={"task_id": i})``, so two evaluations with the same settings see the same
 tasks and can be compared pairwise (:func:`compare`). Sampled evaluations
 (``temperature > 0``) draw each episode's tokens from seeds of ``(seed, task, sample,
-turn)`` (:func:`agentenv.rollout.collect.trajectory_seed`), so they are reproducible and
-do not depend on ``tasks_per_batch`` or on which tasks share a batch.
+turn)`` (:func:`agentenv.rollout.collect.trajectory_seed`), not from a global generator:
+the same command gives the same episodes, and in float32 so does another
+``tasks_per_batch``. In bfloat16 another batch shape rounds the logits otherwise, so a
+sampled episode may part from its counterpart at a near tie (greedy ones too, rarely).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def evaluate(
             fmt,
             rollout,
             options=[{"task_id": i} for i in ids],
-            sample_seed=config.seed,  # sampled episodes: the same however tasks are batched
+            sample_seed=config.seed,  # each episode's draws: its own, whatever shares its batch
         )
         groups.extend(batch)
         bar.update(len(ids))

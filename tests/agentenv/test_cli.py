@@ -36,7 +36,8 @@ def test_no_parser_takes_an_abbreviated_flag():
     [
         (["eval", "--num-task", "5"], "did you mean --num-tasks?"),  # was --num-tasks 5
         (["train", "--temp", "0.5"], "did you mean --temperature?"),  # was --temperature
-        (["train", "--lr", "1e-4"], "did you mean --lr-scheduler?"),  # was "ambiguous"
+        (["train", "--lr", "1e-4"], "did you mean --learning-rate or --lora-r?"),  # "ambiguous"
+        (["train", "--bs", "8"], "did you mean --batch-size?"),
         (["train", "--learning-rat=1e-4"], "did you mean --learning-rate?"),
         (["sft", "--num-demo", "3"], "did you mean --num-demos?"),
     ],
