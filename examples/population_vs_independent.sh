@@ -10,8 +10,8 @@
 #   bash examples/population_vs_independent.sh            # seed 0
 #   SEED=1 bash examples/population_vs_independent.sh     # another seed (same SFT)
 #
-# About 35 min a seed on an 8-core CPU (a plain 25-step run takes 2-3 min; a population
-# step is 4 plain steps, and each fitness measurement 4 x 64 sampled episodes).
+# About 45 min a seed on 2 CPU cores (AMX): the population 24 min, the independent runs
+# 14, the plain recipe 3, the three evaluations 4 (docs/results.md#population).
 set -euo pipefail
 export HF_HUB_OFFLINE=1
 SEED=${SEED:-0}
