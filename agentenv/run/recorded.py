@@ -60,9 +60,9 @@ def recorded_run(checkpoint: str | Path) -> tuple[dict[str, Any], Path] | None:
     where nothing is recorded. A population's checkpoint: its fittest member's."""
     folder = Path(checkpoint)
     if (folder / "population.json").is_file():  # algorithms.population.POPULATION_FILE
-        from agentenv.run.export import resolve_checkpoint
+        from algorithms.population import best_member
 
-        folder = resolve_checkpoint(folder)
+        folder = best_member(folder)[0]
     candidates = [folder / RUN_FILE, _run_dir_config(folder)]
     for path in filter(None, candidates):
         try:

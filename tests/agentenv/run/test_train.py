@@ -446,7 +446,8 @@ def test_the_example_recipes_resolve_and_their_envs_build(name):
 def _length_reward_env(**kwargs):  # noqa: ANN003, ANN202
     """The word-problems Calculator, but every episode takes two actions: each is paid a
     turn reward from its length (``info["turn_reward"]``) and the second ends the episode
-    with an outcome from its length, so a tiny random model's groups differ in both."""
+    with an outcome from its length (0, 0.25, 0.5 or 0.75: under 0.5 too, for the
+    reward-clip case), so a tiny random model's groups differ in both."""
     from envs.calculator.env import CalculatorEnv
 
     class LengthReward(CalculatorEnv):
@@ -459,7 +460,7 @@ def _length_reward_env(**kwargs):  # noqa: ANN003, ANN202
             self.taken += 1
             done = self.taken == 2
             info["turn_reward"] = float(len(action) % 2)
-            return obs, float(len(action) % 3) if done else 0.0, done, False, info
+            return obs, (len(action) % 4) / 4 if done else 0.0, done, False, info
 
     return LengthReward(**kwargs)
 
