@@ -24,6 +24,7 @@ REFERENCES = ("initial", "base")
 REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
 CREDITS = ("bandit", "turn", "gae")
+TURN_BASELINES = ("group", "loo")  # credit=turn: the baseline of a turn's return
 CRITIC_INPUTS = ("learner", "sampler")  # where credit=gae's critic reads its hidden states
 VALUE_LR = 1e-3  # the critic's AdamW LR: a linear head on fixed features learns fast
 
@@ -178,19 +179,31 @@ class GRPOConfig(TrainerConfig):
     credit: str = option(
         "bandit",
         "How an episode's tokens share credit. bandit: every policy token gets the episode's "
-        "advantage (one reward per episode). turn: a turn's tokens also get turn_weight x "
-        "its return of the env's per-turn rewards (info['turn_reward'], from that turn on, "
-        "discounted by turn_gamma), less the group's mean over its turns, normalised like the "
-        "outcome. "
+        "advantage (one reward per episode; with turn_weight > 0 the reward adds turn_weight "
+        "x the episode's per-turn rewards: shaping without turn credit). turn: a turn's "
+        "tokens also get turn_weight x its return of the env's per-turn rewards "
+        "(info['turn_reward'], from that turn on, discounted by turn_gamma), less a baseline "
+        "(turn_baseline). "
         "gae: a critic (a value head on the policy's last hidden state) predicts the return "
         "before each turn; a turn's tokens get its GAE(turn_gamma, gae_lambda) advantage over "
         "turns, the rewards being turn_weight x the per-turn rewards plus the outcome at "
         "the last turn (one extra no-grad forward per step).",
     )
-    turn_weight: float = option(
-        1.0,
-        "credit=turn|gae: the weight of the env's per-turn rewards against the outcome "
-        "(turn: of their return's advantage; gae: of each turn's reward).",
+    turn_weight: float | None = option(
+        None,
+        "The weight of the env's per-turn rewards (info['turn_reward']) against the outcome. "
+        "bandit: the episode's reward adds turn_weight x their return from the first turn; "
+        "turn: of their return's advantage; gae: of each turn's reward. None: 1 under turn "
+        "and gae, 0 under bandit (the outcome alone). gae with 0: the critic without "
+        "shaping.",
+    )
+    turn_baseline: str = option(
+        "group",
+        "credit=turn: what a turn's return is compared with. group: the mean of every turn "
+        "of the group's episodes, the difference divided by their std (mean_std). loo: the "
+        "mean of the other episodes' turns (RLOO's leave-one-out: an episode is never its "
+        "own baseline), not divided, so a group of two differing by 0.5 gets +-0.5, not "
+        "+-1.",
     )
     turn_gamma: float = option(
         1.0, "credit=turn|gae: the discount of later turns' rewards in a turn's return (0-1)."
@@ -226,6 +239,27 @@ class GRPOConfig(TrainerConfig):
     max_completion_length: int | None = option(
         None, "dr_grpo's per-sequence denominator; None: the batch's max policy tokens."
     )
+    dynamic_sampling: bool = option(
+        False,
+        "Re-draw groups without a learning signal (DAPO's dynamic sampling, verl's "
+        "filter_groups): a step whose groups' rewards do not differ (GRPO.group_signal: the "
+        "outcome, with turn credit also the per-turn returns) draws more tasks of the split "
+        "until batch_size groups have a signal or max_extra_tasks are spent; the step "
+        "then trains on the groups with a signal it found.",
+    )
+    max_extra_tasks: float = option(
+        2.0,
+        "dynamic_sampling: the most extra tasks a step draws, as a multiple of batch_size "
+        "(2: up to twice the step's tasks again, each a group of group_size episodes).",
+    )
+
+    @property
+    def turn_reward_weight(self) -> float:
+        """``turn_weight``, with None resolved: 1 under ``turn`` and ``gae``, 0 under
+        ``bandit``."""
+        if self.turn_weight is not None:
+            return self.turn_weight
+        return 0.0 if self.credit == "bandit" else 1.0
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:
@@ -241,6 +275,7 @@ class GRPOConfig(TrainerConfig):
             "reward_combination": REWARD_COMBINATIONS,
             "credit": CREDITS,
             "critic_input": CRITIC_INPUTS,
+            "turn_baseline": TURN_BASELINES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -253,11 +288,16 @@ class GRPOConfig(TrainerConfig):
             (self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
             (self.num_iterations >= 1, "num_iterations", "must be >= 1"),
             (self.entropy_coef >= 0, "entropy_coef", "must be >= 0 (0 disables the bonus)"),
-            (self.turn_weight >= 0, "turn_weight", "must be >= 0"),
+            (
+                self.turn_weight is None or self.turn_weight >= 0,
+                "turn_weight",
+                "must be None or >= 0",
+            ),
             (0 <= self.turn_gamma <= 1, "turn_gamma", "must be in [0, 1]"),
             (0 <= self.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]"),
             (self.value_lr > 0, "value_lr", "must be > 0"),
             (self.value_epochs >= 1, "value_epochs", "must be >= 1"),
+            (self.max_extra_tasks >= 0, "max_extra_tasks", "must be >= 0"),
             (
                 self.reward_clip is None or self.reward_clip > 0,
                 "reward_clip",

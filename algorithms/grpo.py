@@ -37,8 +37,12 @@ Design decisions:
   episode its one advantage. ``turn`` adds to a turn's tokens ``turn_weight`` times its
   return of the env's per-turn rewards (``Episode.turn_rewards``, from that turn on,
   discounted by ``turn_gamma``) less one baseline per group, normalised by the std of
-  those returns (:func:`~algorithms.losses.turn_advantages`). A group whose outcomes are
-  all equal but whose turn returns differ still teaches under ``turn``.
+  those returns (:func:`~algorithms.losses.turn_advantages`), or with ``turn_baseline=
+  "loo"`` less the mean of the *other* episodes' returns, undivided (RLOO's leave-one-out).
+  A group whose outcomes are all equal but whose turn returns differ still teaches under
+  ``turn``. ``bandit`` with a ``turn_weight`` adds the weighted per-turn rewards to each
+  episode's reward instead (the shaping without the turn credit,
+  :func:`~algorithms.losses.shaped_rewards`), so the two can be measured apart.
   ``gae`` asks a critic (:mod:`algorithms.critic`, a value head on the policy's hidden
   state before each turn, from one extra no-grad forward, or with
   ``critic_input="sampler"`` the states the sampler recorded) for each turn's value and gives
@@ -52,6 +56,8 @@ Design decisions:
   ``beta == 0`` they are dropped before the forward pass and from every normaliser (DAPO's
   dynamic-sampling filter without resampling): the update equals that of the batch without
   them. With ``beta > 0`` they stay, since the KL term still applies.
+  :meth:`GRPO.group_signal` makes the same decision before a step, for the training loop's
+  dynamic sampling (``dynamic_sampling``: draw more tasks in place of those groups).
 * **Failed episodes** (``episode.failed``: the env raised, or the episode ran past its
   wall-clock limit) carry no learning signal: they are dropped like zero-variance groups,
   and their group's baseline and std come from its other members (a group left with fewer
@@ -102,6 +108,7 @@ from algorithms.losses import (
     gae_advantages,
     kl_estimate,
     policy_loss,
+    shaped_rewards,
     turn_advantages,
     turn_return_spread,
     without_signal,
@@ -324,17 +331,16 @@ class GRPO(Trainer):
         start, cfg = time.perf_counter(), self.config
         episodes = self._flatten(groups)
         g = len(groups[0])
-        env_rewards = torch.tensor([[float(ep.reward) for ep in group] for group in groups])
-        rewards, component_stats = episode_rewards(  # (B, G)
-            episodes, env_rewards, cfg.reward_combination, lambda v: self._global(v, "sum")
+        rewards, component_stats = self._outcomes(  # (B, G)
+            groups, episodes, lambda v: self._global(v, "sum")
         )
+        turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]  # [b][g][k]
+        # bandit with turn_weight > 0: the outcome plus the per-turn rewards (shaping)
+        shaped = shaped_rewards(rewards, turn_rewards, self._shaping_weight, cfg.turn_gamma)
         group_baseline = cfg.advantage_baseline != "global_mean"
         valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])  # (B, G)
         zero_std = without_signal(rewards, valid)  # (B,) over the valid members
-        no_signal = zero_std  # (B,)
-        if cfg.credit != "bandit":  # a group whose turns' returns differ still teaches
-            turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
-            no_signal = zero_std & ~turn_return_spread(turn_rewards, valid, cfg.turn_gamma)
+        no_signal = self._no_signal(shaped, turn_rewards, valid)  # (B,)
         # failed episodes teach nothing; groups without a signal under a group baseline
         # neither (the critic's advantages under gae are not relative to the group)
         drop = no_signal if group_baseline and cfg.credit != "gae" else torch.zeros_like(no_signal)
@@ -347,17 +353,17 @@ class GRPO(Trainer):
         kl_stats: dict[str, float] = {}
         if cfg.beta > 0 and cfg.kl_placement == "reward":
             penalty, kl_stats = self._kl_penalty(batches, rows, len(episodes))
-            rewards_for_advantages = rewards - cfg.beta * penalty.view_as(rewards)  # (B, G)
+            rewards_for_advantages = shaped - cfg.beta * penalty.view_as(rewards)  # (B, G)
         else:
-            rewards_for_advantages = rewards
+            rewards_for_advantages = shaped
         advantages = self._advantages(rewards_for_advantages, valid)  # (B, G)
         self.last_advantages = advantages  # what the loss sees; 0 for dropped episodes
         self.last_turn_advantages = None
         flat = advantages.flatten()
         if cfg.credit == "turn":  # one advantage per turn, on that turn's tokens
             per_turn = turn_advantages(
-                advantages, turn_rewards, valid, cfg.turn_weight, cfg.turn_gamma,
-                cfg.advantage_norm,
+                advantages, turn_rewards, valid, cfg.turn_reward_weight, cfg.turn_gamma,
+                cfg.advantage_norm, baseline=cfg.turn_baseline,
             )  # fmt: skip
             self.last_turn_advantages = [a for group in per_turn for a in group]
         critic_stats: dict[str, float] = {}
@@ -405,6 +411,62 @@ class GRPO(Trainer):
         metrics["learning_rate"] = lr
         metrics["step"] = float(self.step)
         return metrics
+
+    @property
+    def _shaping_weight(self) -> float:
+        """The weight of the per-turn rewards in a bandit episode's reward (0 otherwise:
+        turn and gae credit them per turn)."""
+        return self.config.turn_reward_weight if self.config.credit == "bandit" else 0.0
+
+    def _outcomes(
+        self,
+        groups: Sequence[Sequence[EpisodeLike]],
+        episodes: list[EpisodeLike],
+        global_sum: Any,
+        gather: Any = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The episodes' rewards ``(B, G)`` after ``reward_combination``, and its stats."""
+        env_rewards = torch.tensor([[float(ep.reward) for ep in group] for group in groups])
+        return episode_rewards(
+            episodes, env_rewards, self.config.reward_combination, global_sum, gather
+        )
+
+    def _no_signal(
+        self,
+        shaped: torch.Tensor,
+        turn_rewards: list[list[list[float]]],
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(B,)`` bool: groups whose valid members' rewards (with bandit shaping) are all
+        equal and, under turn or gae credit with a turn weight, so are their per-turn
+        returns (with the turn baselines of a group of 2+: a return that differs from the
+        next turn's is a signal); or that have fewer than 2 valid members (turn and gae
+        still credit a lone member's turns against each other, but loo has no baseline)."""
+        cfg = self.config
+        none = without_signal(shaped, valid)
+        if cfg.credit != "bandit" and cfg.turn_reward_weight > 0:
+            spread = turn_return_spread(turn_rewards, valid, cfg.turn_gamma)
+            if cfg.credit == "turn" and cfg.turn_baseline == "loo":  # needs another member
+                spread &= valid.sum(dim=1) >= 2
+            none = none & ~spread
+        return none
+
+    def group_signal(self, groups: Sequence[Sequence[EpisodeLike]]) -> list[bool]:
+        """Whether each group has a learning signal: its valid episodes' rewards differ
+        (with ``bandit`` and a turn weight, the shaped rewards; with ``turn`` or ``gae``
+        and a turn weight, their per-turn returns may differ instead). The groups without
+        one are those :meth:`learn` drops under a group baseline with ``beta == 0``
+        (``gae`` trains them on its critic's values alone), that ``frac_no_signal``
+        counts and that dynamic sampling draws again for.
+
+        This process's groups only, with no collective: ``reward_combination`` std / pca
+        then scale by this process's episodes, which keeps equal rewards equal."""
+        episodes = self._flatten(groups)
+        rewards, _ = self._outcomes(groups, episodes, list, list)
+        turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
+        shaped = shaped_rewards(rewards, turn_rewards, self._shaping_weight, self.config.turn_gamma)
+        valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])
+        return (~self._no_signal(shaped, turn_rewards, valid)).tolist()
 
     def _batch_stats(
         self,
@@ -564,7 +626,7 @@ class GRPO(Trainer):
             turn_rewards,
             values,
             valid,
-            weight=cfg.turn_weight,
+            weight=cfg.turn_reward_weight,
             gamma=cfg.turn_gamma,
             lam=cfg.gae_lambda,
             norm=cfg.advantage_norm,

@@ -3,7 +3,9 @@
 - :func:`compute_advantages`: rewards ``(B, G)`` -> advantages ``(B, G)`` (group baseline,
   optional std normalisation; see :mod:`algorithms.grpo` for the choices).
 - :func:`turn_advantages`: those plus each turn's return of per-turn rewards -> one
-  advantage per turn of every episode (``credit="turn"``).
+  advantage per turn of every episode (``credit="turn"``), against the group's turns or
+  the other episodes' (leave-one-out).
+- :func:`shaped_rewards`: the outcome plus weighted per-turn rewards (``bandit``'s shaping).
 - :func:`gae_advantages`: a critic's values before each turn and the turns' rewards ->
   GAE advantages per turn and the critic's targets (``credit="gae"``).
 - :func:`kl_estimate`: Schulman's k1 / k2 / k3 per token.
@@ -22,6 +24,7 @@ from algorithms.config import (
     ADVANTAGE_BASELINES,
     ADVANTAGE_NORMS,
     KL_ESTIMATORS,
+    TURN_BASELINES,
     GRPOConfig,
 )
 
@@ -113,41 +116,80 @@ def turn_advantages(
     gamma: float = 1.0,
     norm: str = "mean_std",
     eps: float = 1e-4,
+    baseline: str = "group",
 ) -> list[list[list[float]]]:
     """One advantage per policy turn: ``[b][g][k]`` for turn ``k`` of member ``g`` of group
     ``b``, from the outcome's advantages ``(B, G)`` (:func:`compute_advantages`) and each
     turn's rewards ``turn_rewards[b][g][k]`` (``Episode.turn_rewards``)::
 
         G[b][g][k] = r[b][g][k] + gamma * G[b][g][k + 1]        (return from turn k on)
-        A[b][g][k] = outcome[b, g] + weight * (G[b][g][k] - mean) / (std + eps)
+        group: A[b][g][k] = outcome[b, g] + weight * (G[b][g][k] - mean) / (std + eps)
+        loo:   A[b][g][k] = outcome[b, g] + weight * (G[b][g][k] - mean_without_g)
 
-    ``mean`` and ``std`` (population) are taken over every turn of the group's ``valid``
-    members: **one baseline per group**, the same for all its turns. A constant baseline
-    is unbiased, but a return from turn k on holds fewer rewards the later k is, so a
-    later turn's term is lower whatever the turn did (on RAG-v0's bridge questions: a
-    first search's +1.2 on average, the second's -0.7 and an answer's -0.7).
+    ``group``: ``mean`` and ``std`` (population) are taken over every turn of the group's
+    ``valid`` members: **one baseline per group**, the same for all its turns (``mean_only``
+    does not divide by the std). A constant baseline is unbiased, but a return from turn k
+    on holds fewer rewards the later k is, so a later turn's term is lower whatever the
+    turn did (on RAG-v0's bridge questions: a first search's +1.2 on average, the second's
+    -0.7 and an answer's -0.7). With two members, the std makes the term +-weight however
+    little their returns differ.
 
-    ``mean_only`` does not divide by the std. A group whose returns are all equal gets no
-    turn term; invalid members (failed episodes) get 0 on every turn, as their outcome
-    advantage is.
+    ``loo`` (RLOO's leave-one-out): member g's baseline is the mean over every turn of the
+    *other* valid members, so an episode's own returns never lower its own term; nothing
+    is divided, so the term keeps the size of the difference (two members whose one-turn
+    returns are 0.5 and 0: +0.5 and -0.5). A member with no valid other gets no turn term.
+
+    A group whose returns are all equal gets no turn term; invalid members (failed
+    episodes) get 0 on every turn, as their outcome advantage is.
     """
     if norm not in ADVANTAGE_NORMS:
         raise InvalidOptionError(f"norm must be one of {ADVANTAGE_NORMS}, got {norm!r}")
+    if baseline not in TURN_BASELINES:
+        raise InvalidOptionError(f"baseline must be one of {TURN_BASELINES}, got {baseline!r}")
     out: list[list[list[float]]] = []
     for b, group in enumerate(turn_rewards):
         returns, kept = _group_returns(group, valid[b], gamma)
+        differ = bool(kept.numel()) and _differ(kept)
         pool = None
-        if kept.numel() and _differ(kept):
+        if differ and baseline == "group":
             std = kept.std(correction=0).item() + eps if norm == "mean_std" else 1.0
             pool = (kept.mean().item(), std)
+        total, count = float(kept.sum()), kept.numel()
         out.append([])
         for g, rs in enumerate(returns):
             if not valid[b, g]:
                 out[b].append([0.0] * len(rs))
                 continue
             base = float(outcome[b, g])
-            out[b].append([base + (weight * (x - pool[0]) / pool[1] if pool else 0.0) for x in rs])
+            if baseline == "loo":
+                others = count - len(rs)
+                mean = (total - sum(rs)) / others if differ and others else None
+                term = [weight * (x - mean) if mean is not None else 0.0 for x in rs]
+                out[b].append([base + t for t in term])
+            else:
+                out[b].append(
+                    [base + (weight * (x - pool[0]) / pool[1] if pool else 0.0) for x in rs]
+                )
     return out
+
+
+def shaped_rewards(
+    outcome: torch.Tensor,
+    turn_rewards: Sequence[Sequence[Sequence[float]]],
+    weight: float,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """``outcome`` ``(B, G)`` plus ``weight`` times each episode's return of its per-turn
+    rewards from the first turn (discounted by ``gamma``): ``credit="bandit"``'s shaping,
+    the reward that ``gae`` sees summed over turns. ``weight`` 0 returns ``outcome``
+    itself (not a copy)."""
+    if weight == 0:
+        return outcome
+    first = torch.tensor(
+        [[(_returns(rs, gamma) or [0.0])[0] for rs in group] for group in turn_rewards],
+        dtype=torch.float64,
+    )  # (B, G)
+    return (outcome.double() + weight * first).to(outcome.dtype)
 
 
 def turn_return_spread(

@@ -88,6 +88,7 @@ def episode_rewards(
     env_rewards: torch.Tensor,
     method: str,
     global_sum: Callable[[list[float]], list[float]],
+    gather: Callable[[list[Any]], list[Any]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The rewards advantages start from (shaped like ``env_rewards``, ``(B, G)``), and
     each component's batch mean (``rewards/components/<name>``).
@@ -95,12 +96,15 @@ def episode_rewards(
     ``weighted`` keeps the env's rewards; the other methods combine the episodes'
     ``info["reward_components"]`` over the global batch (missing components count 0; an
     env that reports none has one component, its reward). ``global_sum`` sums a list of
-    floats over every process (the identity for one process).
+    floats over every process (the identity for one process), ``gather`` concatenates a
+    list over every process (default: accelerate's ``gather_object``; the identity gives
+    this process's statistics alone, with no collective).
     """
     from accelerate.utils import gather_object
 
+    gather = gather or gather_object
     found = [getattr(ep, "info", {}).get("reward_components") or {} for ep in episodes]
-    names = sorted({n for names in gather_object([sorted(c) for c in found]) for n in names})
+    names = sorted({n for names in gather([sorted(c) for c in found]) for n in names})
     if not names:
         if method == "weighted":
             return env_rewards, {}

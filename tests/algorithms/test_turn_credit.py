@@ -14,7 +14,7 @@ from agentenv.rollout.episode import mask_spans
 from algorithms.batching import token_advantages
 from algorithms.config import GRPOConfig
 from algorithms.grpo import GRPO
-from algorithms.losses import policy_loss, turn_advantages, turn_return_spread
+from algorithms.losses import policy_loss, shaped_rewards, turn_advantages, turn_return_spread
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
@@ -69,6 +69,52 @@ def test_a_group_whose_returns_are_all_equal_gets_no_turn_term():
     assert turn_return_spread(same, torch.ones(1, 2, dtype=torch.bool), 1.0).tolist() == [True]
     with pytest.raises(InvalidOptionError, match="norm must be one of"):
         turn_advantages(outcome, rewards, valid, 1.0, norm="median")
+
+
+def test_leave_one_out_baselines_by_hand():
+    """gamma 0.5: member 0's returns 1.25, 0.5, 1 and member 2's 0.5, 1 (member 1 failed).
+    Member 0's baseline is member 2's mean 0.75, member 2's member 0's mean 2.75 / 3;
+    nothing is divided. Weight 2."""
+    got = turn_advantages(OUTCOME, TURN_REWARDS, VALID, 2.0, 0.5, baseline="loo")
+    assert got[0][0] == pytest.approx([0.5 + 2 * 0.5, 0.5 - 2 * 0.25, 0.5 + 2 * 0.25])
+    assert got[0][1] == [0.0] * 3
+    assert got[0][2] == pytest.approx([-0.5 + 2 * (0.5 - 2.75 / 3), -0.5 + 2 * (1 - 2.75 / 3)])
+    # the same under mean_only: the leave-one-out term has no std to divide by
+    assert (
+        turn_advantages(OUTCOME, TURN_REWARDS, VALID, 2.0, 0.5, "mean_only", baseline="loo") == got
+    )
+
+
+def test_a_pool_of_two_keeps_the_size_of_its_difference_only_with_leave_one_out():
+    outcome, valid = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    for gap in (0.5, 0.01):
+        rewards = [[[gap], [0.0]]]
+        group = turn_advantages(outcome, rewards, valid, 1.0, eps=0.0)
+        loo = turn_advantages(outcome, rewards, valid, 1.0, baseline="loo")
+        assert group[0] == [[pytest.approx(1.0)], [pytest.approx(-1.0)]]  # whatever the gap
+        assert loo[0] == [[pytest.approx(gap)], [pytest.approx(-gap)]]
+    # a member whose only other member failed has no one to be compared with
+    alone = turn_advantages(outcome, [[[1.0], [0.0]]], torch.tensor([[True, False]]), 1.0,
+                            baseline="loo")  # fmt: skip
+    assert alone[0] == [[0.0], [0.0]]
+    with pytest.raises(InvalidOptionError, match="baseline must be one of"):
+        turn_advantages(outcome, [[[1.0], [0.0]]], valid, 1.0, baseline="index")
+
+
+def test_shaped_rewards_add_the_weighted_return_from_the_first_turn():
+    outcome = torch.tensor([[1.0, 0.0, 0.0]])
+    turns = [[[0.5, 0.5], [0.5], []]]  # the last episode took no rewarded turn
+    assert shaped_rewards(outcome, turns, 1.0).tolist() == [[2.0, 0.5, 0.0]]
+    assert shaped_rewards(outcome, turns, 2.0, gamma=0.5).tolist() == [[2.5, 1.0, 0.0]]
+    assert shaped_rewards(outcome, turns, 0.0) is outcome  # the bandit default: untouched
+
+
+def test_turn_weight_none_means_one_under_turn_credit_and_zero_under_the_bandit():
+    assert GRPOConfig().turn_reward_weight == 0.0
+    assert GRPOConfig(credit="turn").turn_reward_weight == 1.0
+    assert GRPOConfig(credit="gae").turn_reward_weight == 1.0
+    assert GRPOConfig(credit="gae", turn_weight=0.0).turn_reward_weight == 0.0
+    assert GRPOConfig(turn_weight=0.5).turn_reward_weight == 0.5
 
 
 def test_token_advantages_put_each_turns_value_on_its_tokens():
@@ -204,10 +250,63 @@ def test_turn_credit_with_a_turn_weight_of_zero_is_the_bandit_update(tokenizer):
     ("kwargs", "message"),
     [
         ({"credit": "gae2"}, "credit must be one of"),
-        ({"turn_weight": -1.0}, "turn_weight must be >= 0"),
+        ({"turn_weight": -1.0}, "turn_weight must be None or >= 0"),
+        ({"turn_baseline": "index"}, "turn_baseline must be one of"),
         ({"turn_gamma": 1.5}, r"turn_gamma must be in \[0, 1\]"),
     ],
 )
 def test_credit_options_are_checked(kwargs, message):
     with pytest.raises(InvalidOptionError, match=message):
         GRPOConfig(**kwargs)
+
+
+# Group 0: outcomes equal, per-turn rewards differ; group 1: outcomes differ; group 2:
+# outcomes and per-turn rewards equal between the members; group 3: one valid member.
+SIGNAL_REWARDS = [[1, 1], [0, 1], [0, 0], [1, 0]]
+SIGNAL_TURNS = [[[0.5, 0], [0, 0]], [[0, 0], [0, 0]], [[0.5, 0], [0.5, 0]], [[0.5, 0], [0, 0]]]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, [False, True, False, False]),
+        ({"turn_weight": 1.0}, [True, True, False, False]),  # bandit + shaping
+        # returns 0.5 then 0 differ from turn to turn: the turn baselines credit them
+        ({"credit": "turn"}, [True, True, True, True]),
+        ({"credit": "turn", "turn_weight": 0.0}, [False, True, False, False]),
+        ({"credit": "turn", "turn_baseline": "loo"}, [True, True, True, False]),
+        ({"credit": "gae"}, [True, True, True, True]),
+        ({"credit": "gae", "turn_weight": 0.0}, [False, True, False, False]),
+    ],
+)
+def test_group_signal_is_the_decision_learn_drops_groups_by(tokenizer, overrides, expected):
+    from agentenv.lm.models import tiny_model as build
+
+    groups = two_turn_groups(SIGNAL_REWARDS, SIGNAL_TURNS)
+    for episode in groups[3][1:]:
+        episode.failed = True
+    trainer = GRPO(build(tokenizer), tokenizer, config(**overrides), sampling=SAMPLING)
+    assert trainer.group_signal(groups) == expected
+    metrics = trainer.learn(groups)
+    assert metrics["frac_no_signal"] == expected.count(False) / 4
+    if trainer.config.credit != "gae":  # the groups learn() trained: those with a signal
+        trained = [bool(a.abs().sum()) for a in trainer.last_advantages]
+        if trainer.last_turn_advantages is not None:
+            per_turn = trainer.last_turn_advantages
+            trained = [any(any(t) for t in per_turn[2 * b : 2 * b + 2]) for b in range(4)]
+        assert trained == expected
+
+
+def test_bandit_shaping_trains_on_the_outcome_plus_the_weighted_turn_rewards(tokenizer):
+    """turn_weight 1 under bandit: group 0's rewards 1 + 0.5 and 1 + 0 (the outcome alone
+    ties), so +-1 after the group's mean and std; group 2's 0 + 0.5 each: no signal."""
+    from agentenv.lm.models import tiny_model as build
+
+    groups = two_turn_groups(SIGNAL_REWARDS[:3], SIGNAL_TURNS[:3])
+    trainer = GRPO(build(tokenizer), tokenizer, config(turn_weight=1.0), sampling=SAMPLING)
+    metrics = trainer.learn(groups)
+    r = torch.tensor([1.5, 1.0])
+    assert torch.equal(trainer.last_advantages[0], (r - r.mean()) / (r.std(correction=0) + 1e-4))
+    assert trainer.last_advantages[2].tolist() == [0.0, 0.0]
+    assert metrics["rewards/mean"] == pytest.approx(0.5)  # the outcome, as logged elsewhere
+    assert metrics["frac_reward_zero_std"] == pytest.approx(2 / 3)  # outcomes tie in 0 and 2
