@@ -176,6 +176,47 @@ def _end_if_multi_process() -> None:
     os._exit(0)
 
 
+def _cmd_seeds(args: argparse.Namespace) -> int:
+    from agentenv.run.evaluate import EvalReport
+    from agentenv.run.seeds import Arm, format_arms, run_seeds
+
+    baseline = EvalReport.load(args.baseline) if args.baseline else None
+    if args.report:
+        print(format_arms([Arm.load(folder) for folder in args.report], baseline))
+        return 0
+    train_args = list(args.train_args)
+    if train_args[:1] == ["--"]:
+        train_args = train_args[1:]
+    if not train_args:
+        raise InvalidOptionError(
+            "agentenv seeds needs the train command's arguments after --, e.g. `agentenv "
+            "seeds --seeds 0 1 -- --config recipe.yaml --output-dir runs/arm`; or --report "
+            "ARM_DIR to report arms already run"
+        )
+    parsed = build_parser().parse_args(["train", *train_args])  # bad flags fail here
+    config = _train_config(parsed)  # bad values too, before any run starts
+    if not config.output_dir:
+        raise InvalidOptionError(
+            "agentenv seeds writes each seed to OUT/seed_N: give the arm's folder as "
+            "--output-dir OUT (after --) or output_dir in --config"
+        )
+    kept, skip = [], False
+    for arg in train_args:  # each seed gets its own --seed and --output-dir
+        if skip:
+            skip = False
+        elif arg in ("--seed", "--output-dir", "--resume"):
+            skip = arg != "--resume"
+        elif not arg.startswith(("--seed=", "--output-dir=")):
+            kept.append(arg)
+    imports = [x for module in args.imports or [] for x in ("--import", module)]
+    arm = run_seeds(
+        [*imports, *kept], args.seeds, Path(config.output_dir), args.eval_tasks, args.jobs,
+        eval_args=imports,
+    )  # fmt: skip
+    print(format_arms([arm], baseline))
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from agentenv.run.config import EvalRunConfig, resolve
     from agentenv.run.evaluate import EvalReport, evaluate, format_table
@@ -600,6 +641,45 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate a model (and adapter) on an env's split: accuracy, pass@k, tool use.",
     )
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None)
+
+    p = _command(
+        sub,
+        "seeds",
+        help="run a training recipe once per seed, evaluate each, report them as a set",
+        usage="%(prog)s [-h] [--seeds N ...] [--eval-tasks N] [--jobs N] [--baseline EVAL] "
+        "-- TRAIN_ARGS ...\n       %(prog)s --report ARM_DIR ... [--baseline EVAL]",
+        description="Run `agentenv train TRAIN_ARGS --seed N --output-dir OUT/seed_N` for "
+        "each seed (OUT: the --output-dir of TRAIN_ARGS), evaluate each run's last "
+        "checkpoint on the test split (its env and limits from the checkpoint) into "
+        "OUT/seed_N/eval.json, and report every seed's accuracy, their mean, sd and min, "
+        "and each seed's paired difference from --baseline. Seeds already evaluated are "
+        "skipped; a seed's run that stopped resumes.",
+    )
+    p.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2], metavar="N", help="default: 0 1 2"
+    )
+    p.add_argument(
+        "--eval-tasks", type=int, default=None, metavar="N", help="test tasks (default: eval's)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="seeds run at once, each its own process sharing the CPU cores (and, where "
+        "CUDA_VISIBLE_DEVICES lists several GPUs, one each); 1: one after another",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="EVAL.json",
+        help="an `agentenv eval --output` report on the same tasks (e.g. the SFT start's)",
+    )
+    p.add_argument(
+        "--report", nargs="+", default=None, metavar="ARM_DIR", help="report these arms only"
+    )
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train's arguments")
+    p.set_defaults(fn=_cmd_seeds)
 
     p = _command(sub, "export", help="write a checkpoint as a plain Hugging Face model folder")
     p.add_argument("checkpoint", help="checkpoint folder (adapter/ or model/ inside)")

@@ -14,8 +14,12 @@ The run directory holds ``config.json``, ``metrics.jsonl``, TensorBoard events,
 ``episodes/step_N.jsonl``, ``checkpoints/step_N`` (written atomically) and, at the end,
 ``plots/*.png`` and ``eval/{before,after}.json``. ``resume=True`` continues from the
 last complete checkpoint; task seeds and sampling seeds are functions of ``(seed, step)``
-(a population member's also of its lineage, :mod:`agentenv.run.population`), so a resumed
-run sees the same tasks, and draws the same tokens, as an uninterrupted one.
+(a population member's also of its lineage, :mod:`agentenv.run.population`; dynamic
+sampling's extra tasks also of the round, :mod:`agentenv.run.dynamic_sampling`), so a
+resumed run sees the same tasks, and draws the same tokens, as an uninterrupted one.
+With dynamic sampling the ``rollout/*`` and ``episodes/*`` metrics describe the step's
+first draw (the policy as a plain step sees it), the learner's those of the groups
+trained, and ``sampling/*`` what filling the batch cost.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from agentenv.errors import EnvFailureError, InvalidOptionError
 from agentenv.lm.precision import resolve_dtype, training_dtype
 from agentenv.run import population as population_lib
 from agentenv.run.config import TrainConfig
+from agentenv.run.dynamic_sampling import extra_budget, extra_task_seeds, fill_batch
 from agentenv.run.export import load_from_checkpoint
 from agentenv.run.no_signal import SignalWatch, env_offers, no_signal_message
 from agentenv.run.recorded import check_checkpoint, run_record
@@ -287,30 +292,52 @@ def train(
         bar = tqdm(steps, initial=start, total=config.steps, desc="train", disable=not main)
 
         def one_step(step: int, rollout_cfg: Any, lineage_id: int = 0) -> tuple[list, dict]:
-            """Collect the step's episodes, then learn from them (the active member's, whose
-            lineage seeds its draws)."""
-            seeds = task_share(config.seed, step, config.batch_size, rank, world)
-            groups, metrics = collect(
-                train_env,
-                seeds,
-                policy,
-                fmt,
-                rollout_cfg,
-                options=split.training_options(seeds) if split else None,
-                sample_seed=population_lib.member_sample_seed(
-                    sampling_seed(config.seed, step), lineage_id
-                ),
+            """Collect the step's episodes (with dynamic sampling, more in place of groups
+            without a signal), then learn from them (the active member's, whose lineage
+            seeds its draws)."""
+            sample_seed = population_lib.member_sample_seed(
+                sampling_seed(config.seed, step), lineage_id
             )
+
+            def draw(seeds: list[int]) -> tuple[list, dict]:
+                options = split.training_options(seeds) if split else None
+                return collect(
+                    train_env, seeds, policy, fmt, rollout_cfg, options=options,
+                    sample_seed=sample_seed,
+                )  # fmt: skip
+
+            seeds = task_share(config.seed, step, config.batch_size, rank, world)
+            groups, metrics = draw(seeds)
             _check_failures(groups, config.max_failed_fraction, step + 1, ckpt_dir, acc)
+            metrics.update(_episode_stats(groups))  # the first draw's: the policy as it is
+            trained = groups
+            if grpo_cfg.dynamic_sampling:
+                t_extra = time.perf_counter()
+                trained, filled = fill_batch(
+                    groups,
+                    algo.group_signal,
+                    lambda r, n: draw(extra_task_seeds(config.seed, step, r, n, rank))[0],
+                    want=len(seeds),
+                    budget=extra_budget(grpo_cfg.max_extra_tasks, config.batch_size, world),
+                    any_process=any_process,
+                )
+                metrics.update(filled)
+                metrics["time/extra_draws_s"] = time.perf_counter() - t_extra
             if hasattr(policy, "release_weights"):  # packed copies the update makes stale
                 policy.release_weights()
             models.release_memory()
             t_learn = time.perf_counter()
-            metrics.update(algo.learn(groups))
+            metrics.update(algo.learn(trained))
             metrics["time/learn_s"] = time.perf_counter() - t_learn
             models.release_memory()
-            metrics.update(_episode_stats(groups))
-            return groups, metrics
+            return trained, metrics
+
+        def any_process(flag: bool) -> bool:
+            """Whether ``flag`` holds on some process (dynamic sampling's rounds)."""
+            if world == 1:
+                return flag
+            mark = torch.tensor([float(flag)], device=acc.device)
+            return bool(acc.reduce(mark, reduction="max").item())
 
         for step in bar:
             t0 = time.perf_counter()

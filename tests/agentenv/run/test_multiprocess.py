@@ -233,3 +233,19 @@ def test_a_population_trains_on_two_processes(tiny_model_dir, tmp_path):
     for member in ("member_0", "member_1"):
         assert (out / "checkpoints/step_000002" / member / "adapter").is_dir()
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()] == [1, 2]
+
+
+def test_dynamic_sampling_on_two_processes_agrees_on_its_rounds(tiny_model_dir, tmp_path):
+    """Each process fills its own share of the batch; the rounds (which hold collectives)
+    go on while either needs one, so a process that is full waits in them: a disagreement
+    would hang the launch. Parity rewards with G = 2 tie half the time, so rounds happen."""
+    out = tmp_path / "ds"
+    args = ("coin_env:CoinCalculator-v0", "--batch-size", "4", "--learning-rate", "1e-2")
+    args += ("--dynamic-sampling", "--max-extra-tasks", "1", "--dtype", "float32")
+    proc = launch(2, out, tiny_model_dir, *args, "--steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:  # the main process's share: 2 tasks, at most 2 more
+        assert 2 <= row["sampling/tasks_drawn"] <= 4 and row["sampling/groups_trained"] <= 2
+    assert any(r["sampling/rounds"] > 0 for r in rows)
