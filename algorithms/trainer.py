@@ -105,6 +105,9 @@ class Trainer:
         use_cpu_bf16_attention(model, self.dtype)  # the sampler's kernel; 3x faster backward
         self.seed = seed
         self.step = 0
+        # {name: object with state_dict() / load_state_dict()}: state of the loop that
+        # drives the trainer (a run's task pool), saved and restored with its checkpoints
+        self.attached: dict[str, Any] = {}
         if cfg.gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
@@ -164,14 +167,18 @@ class Trainer:
 
     def extra_state(self) -> dict[str, Any]:
         """Hook: more state a checkpoint keeps, ``{name: torch-saveable value}`` (one
-        ``<name>.pt`` file each; the float16 loss scale here, GRPO's critic in GRPO);
+        ``<name>.pt`` file each; the float16 loss scale and the ``attached`` objects'
+        states here, GRPO's critic in GRPO);
         :meth:`load_extra_state` restores it. Overrides extend ``super()``'s."""
-        return {"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}
+        scaler = {"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}
+        return {**scaler, **{name: obj.state_dict() for name, obj in self.attached.items()}}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Hook: restore what :meth:`extra_state` saved (the same names)."""
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
+        for name, obj in self.attached.items():
+            obj.load_state_dict(state[name])
 
     def _global(self, values: list[float], reduction: str) -> list[float]:
         """``values`` reduced (``"sum"`` / ``"max"``) over every process, as float64."""

@@ -90,6 +90,30 @@ def _training_rollout() -> RolloutConfig:
 
 
 @dataclass
+class PoolConfig:
+    """Task difficulty pools (:mod:`agentenv.run.pools`): which train tasks a step draws."""
+
+    difficulty_pools: bool = option(
+        False,
+        "Track each train task's groups and solved episodes, and retire a task whose last "
+        "retire_after groups were all solved or all unsolved (no learning signal); steps "
+        "draw from the other tasks. Saved in checkpoints.",
+    )
+    retire_after: int = option(2, "difficulty_pools: groups in a row that retire a task.")
+    readmit: float = option(
+        0.1,
+        "difficulty_pools: share of a step's tasks drawn from the retired ones (a mixed "
+        "group makes a task active again).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.retire_after < 1:
+            raise InvalidOptionError(f"retire_after must be >= 1, got {self.retire_after}")
+        if not 0 <= self.readmit <= 1:
+            raise InvalidOptionError(f"readmit must be in [0, 1], got {self.readmit}")
+
+
+@dataclass
 class TrainConfig(CommandConfig):
     """Everything a training run needs; ``config.json`` in the run directory is this.
 
@@ -136,6 +160,9 @@ class TrainConfig(CommandConfig):
         "Evolutionary hyper-parameter search over a population of adapters (section; "
         "population 1: off).",
     )
+    pools: PoolConfig = option(
+        PoolConfig(), "Task difficulty pools: retire tasks always or never solved (section)."
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -150,6 +177,11 @@ class TrainConfig(CommandConfig):
                 f"{self.max_failed_fraction}"
             )
         profile_settings(self.profile)  # an unknown name fails here, naming the profiles
+        if self.pools.difficulty_pools and self.evolution.population > 1:
+            raise InvalidOptionError(
+                "difficulty_pools with population > 1: the members would share one pool of "
+                "tasks that each of them solves differently; use one of the two"
+            )
         if self.rollout.group_size < 2:
             raise InvalidOptionError(
                 f"group_size must be >= 2 for group-relative advantages, got "

@@ -48,6 +48,7 @@ from agentenv.run.config import TrainConfig
 from agentenv.run.dynamic_sampling import extra_budget, extra_task_seeds, fill_batch
 from agentenv.run.export import load_from_checkpoint
 from agentenv.run.no_signal import SignalWatch, env_offers, no_signal_message
+from agentenv.run.pools import TaskPool, group_results
 from agentenv.run.recorded import check_checkpoint, run_record
 
 
@@ -189,6 +190,7 @@ def train(
     check_engine(config.generation)
     population_lib.check_population(config)
     split = population_lib.task_split(config, say=main)  # population > 1: fitness's tasks
+    pool = task_pool(config)  # pools.difficulty_pools: which tasks a step draws
     if config.generation.engine != "agentenv" and world > 1:
         raise InvalidOptionError(
             f"engine {config.generation.engine} runs in one process; with {world} processes "
@@ -217,6 +219,8 @@ def train(
         dtype=compute,
     )
     algo.run_record = run_record(config_lib.to_dict(config))  # run.json in each checkpoint
+    if pool is not None:
+        algo.attached["task_pool"] = pool  # task_pool.pt in each checkpoint
     population, lineage = None, []  # evolution.population > 1: agentenv.run.population
     if config.evolution.population > 1:
         from algorithms.population import Population
@@ -299,12 +303,18 @@ def train(
                 sampling_seed(config.seed, step), lineage_id
             )
 
+            drawn: list[tuple[list, list[dict]]] = []  # (groups, their reset options)
+
             def draw(seeds: list[int]) -> tuple[list, dict]:
-                options = split.training_options(seeds) if split else None
-                return collect(
+                options = None
+                if split or pool:
+                    options = split.training_options(seeds) if split else pool.options(seeds)
+                out = collect(
                     train_env, seeds, policy, fmt, rollout_cfg, options=options,
                     sample_seed=sample_seed,
                 )  # fmt: skip
+                drawn.append((out[0], options or []))
+                return out
 
             seeds = task_share(config.seed, step, config.batch_size, rank, world)
             groups, metrics = draw(seeds)
@@ -323,6 +333,17 @@ def train(
                 )
                 metrics.update(filled)
                 metrics["time/extra_draws_s"] = time.perf_counter() - t_extra
+            if pool is not None:  # every process's groups, in rank order, on every process
+                results = [
+                    r for gs, opts in drawn
+                    for r in group_results(gs, [o["task_id"] for o in opts])
+                ]  # fmt: skip
+                if world > 1:
+                    from accelerate.utils import gather_object
+
+                    results = [tuple(r) for r in gather_object(results)]
+                pool.update(results)
+                metrics.update(pool.metrics())
             if hasattr(policy, "release_weights"):  # packed copies the update makes stale
                 policy.release_weights()
             models.release_memory()
@@ -423,6 +444,28 @@ def train(
         plots.append(fitness_plot)
     print(f"run directory: {run_dir}\nplots: {', '.join(str(p) for p in plots)}")
     return run_dir
+
+
+def task_pool(config: TrainConfig) -> TaskPool | None:
+    """The run's task pool (None unless ``pools.difficulty_pools``), over the train
+    split's tasks; refused, before any model loads, for an env without ``num_tasks``."""
+    if not config.pools.difficulty_pools:
+        return None
+    from agentenv.env.registration import make
+
+    env = make(config.env_id, split="train", **config.env_kwargs)
+    try:
+        num_tasks = getattr(env.unwrapped, "num_tasks", None)
+    finally:
+        env.close()
+    if not isinstance(num_tasks, int) or num_tasks < 1:
+        raise InvalidOptionError(
+            f"difficulty_pools picks tasks by index: {config.env_id} has no num_tasks (and "
+            "reset(options={'task_id': i})); build it on agentenv.AgentEnv, or leave "
+            "difficulty_pools off"
+        )
+    cfg = config.pools
+    return TaskPool(num_tasks, retire_after=cfg.retire_after, readmit=cfg.readmit)
 
 
 def processes() -> tuple[int, int]:

@@ -76,6 +76,7 @@ def test_train_help_is_grouped_by_section_without_redundant_defaults(capsys):
         "grpo",
         "generation",
         "evolution",
+        "pools",
     ]
     assert "(default: None)" not in text
     assert "(default runs/<env>-<time>). (default:" not in text  # a default stated twice

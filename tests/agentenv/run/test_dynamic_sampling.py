@@ -190,13 +190,17 @@ def ds_config(model_dir, out, steps, **grpo):
         log_episodes=0,
         output_dir=str(out),
         grpo={"learning_rate": 1e-2, "dynamic_sampling": True, "max_extra_tasks": 2.0, **grpo},
+        pools={"difficulty_pools": True, "retire_after": 1},
         dtype="float32",
     )
 
 
-def test_a_dynamic_sampling_run_resumes_to_the_weights_and_metrics_of_an_uninterrupted_one(
+def test_a_dynamic_sampling_run_with_pools_resumes_to_an_uninterrupted_ones_state(
     tiny_model_dir, tmp_path
 ):
+    """Dynamic sampling and difficulty pools on (retiring a task after one group of G = 2
+    all solved or none, as parity rewards often are): a run killed after step 2 and resumed ends
+    with the weights, metrics and task pool of one that ran 3 steps."""
     import coin_env  # noqa: F401  (registers CoinCalculator-v0: parity rewards)
     from run_metrics import untimed_metrics
 
@@ -218,3 +222,9 @@ def test_a_dynamic_sampling_run_resumes_to_the_weights_and_metrics_of_an_uninter
     assert drew_more, "parity rewards of G=2 tie half the time: some step should draw more"
     config = json.loads((whole / "config.json").read_text())
     assert config["grpo"]["dynamic_sampling"] is True
+    pools = [torch.load(run / "checkpoints/step_000003/task_pool.pt") for run in (whole, split)]
+    assert pools[0] == pools[1] and pools[0]["retired"]
+    seen = [row["pools/tasks_seen"] for row in read_metrics(whole)]
+    assert seen == sorted(seen) and seen[-1] == len(pools[0]["groups"])
+    last = read_metrics(whole)[-1]  # parity rewards: "solved" where no answer says otherwise
+    assert last["pools/retired_hard"] + last["pools/retired_easy"] == len(pools[0]["retired"])
