@@ -126,7 +126,7 @@ def _run(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[int, dict[str,
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
     proc.returncode = os.waitstatus_to_exitcode(status)
-    cost = {"wall_s": time.perf_counter() - start, "peak_rss_gb": usage.ru_maxrss / 2**20}
+    cost = {"wall_s": time.perf_counter() - start, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9}
     return proc.returncode, cost
 
 
