@@ -188,6 +188,13 @@ def train(
             "engine vllm or agentenv"
         )
     check_engine(config.generation)
+    if main and config.grpo.credit == "bandit" and config.grpo.turn_reward_weight > 0:
+        print(  # a config.json of a run before turn_weight meant this under bandit, say
+            f"note: credit bandit with turn_weight {config.grpo.turn_weight}: each episode's "
+            "reward adds that times its per-turn rewards (shaping); unset turn_weight (or 0) "
+            "for the outcome alone",
+            file=sys.stderr,
+        )
     population_lib.check_population(config)
     split = population_lib.task_split(config, say=main)  # population > 1: fitness's tasks
     pool = task_pool(config)  # pools.difficulty_pools: which tasks a step draws
