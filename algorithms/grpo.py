@@ -331,14 +331,10 @@ class GRPO(Trainer):
         start, cfg = time.perf_counter(), self.config
         episodes = self._flatten(groups)
         g = len(groups[0])
-        rewards, component_stats = self._outcomes(  # (B, G)
+        rewards, component_stats, turn_rewards, shaped, valid = self._rewards(
             groups, episodes, lambda v: self._global(v, "sum")
         )
-        turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]  # [b][g][k]
-        # bandit with turn_weight > 0: the outcome plus the per-turn rewards (shaping)
-        shaped = shaped_rewards(rewards, turn_rewards, self._shaping_weight, cfg.turn_gamma)
         group_baseline = cfg.advantage_baseline != "global_mean"
-        valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])  # (B, G)
         zero_std = without_signal(rewards, valid)  # (B,) over the valid members
         no_signal = self._no_signal(shaped, turn_rewards, valid)  # (B,)
         # failed episodes teach nothing; groups without a signal under a group baseline
@@ -418,18 +414,25 @@ class GRPO(Trainer):
         turn and gae credit them per turn)."""
         return self.config.turn_reward_weight if self.config.credit == "bandit" else 0.0
 
-    def _outcomes(
+    def _rewards(
         self,
         groups: Sequence[Sequence[EpisodeLike]],
         episodes: list[EpisodeLike],
         global_sum: Any,
         gather: Any = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The episodes' rewards ``(B, G)`` after ``reward_combination``, and its stats."""
+    ) -> tuple[torch.Tensor, dict[str, float], list, torch.Tensor, torch.Tensor]:
+        """What advantages and the signal decision start from: the rewards ``(B, G)``
+        after ``reward_combination`` and its stats, the per-turn rewards ``[b][g][k]``, the
+        rewards with bandit shaping (the outcome plus ``turn_weight`` x the per-turn
+        rewards; the rewards themselves otherwise) and the valid (not failed) episodes."""
         env_rewards = torch.tensor([[float(ep.reward) for ep in group] for group in groups])
-        return episode_rewards(
+        rewards, stats = episode_rewards(
             episodes, env_rewards, self.config.reward_combination, global_sum, gather
         )
+        turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
+        shaped = shaped_rewards(rewards, turn_rewards, self._shaping_weight, self.config.turn_gamma)
+        valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])
+        return rewards, stats, turn_rewards, shaped, valid
 
     def _no_signal(
         self,
@@ -461,11 +464,7 @@ class GRPO(Trainer):
 
         This process's groups only, with no collective: ``reward_combination`` std / pca
         then scale by this process's episodes, which keeps equal rewards equal."""
-        episodes = self._flatten(groups)
-        rewards, _ = self._outcomes(groups, episodes, list, list)
-        turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
-        shaped = shaped_rewards(rewards, turn_rewards, self._shaping_weight, self.config.turn_gamma)
-        valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])
+        _, _, turn_rewards, shaped, valid = self._rewards(groups, self._flatten(groups), list, list)
         return (~self._no_signal(shaped, turn_rewards, valid)).tolist()
 
     def _batch_stats(
