@@ -25,6 +25,8 @@ _LAZY = {
     "ChatFormat": "agentenv.rollout.episode",
     "Episode": "agentenv.rollout.episode",
     "EpisodeBuilder": "agentenv.rollout.episode",
+    "EnvSpec": "agentenv.run.mixture",
+    "Mixture": "agentenv.run.mixture",
     "collate": "agentenv.rollout.episode",
     "Generation": "agentenv.lm.backend",
     "PolicyBackend": "agentenv.lm.backend",

@@ -219,7 +219,7 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from agentenv.run.config import EvalRunConfig, resolve
-    from agentenv.run.evaluate import EvalReport, evaluate, format_table
+    from agentenv.run.evaluate import EvalReport, evaluate_mixture, format_table
 
     if args.compare:
         print(format_table([EvalReport.load(p) for p in args.compare]))
@@ -229,29 +229,33 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     run = resolve(EvalRunConfig, args.config, overrides, base=base)
     if note:
         print(note, file=sys.stderr)
-    from agentenv.env.registration import make
     from agentenv.lm.engines import check_engine, make_policy
     from agentenv.rollout.episode import ChatFormat
 
-    make(run.env_id, split=run.eval.split, **run.env_kwargs).close()  # before the model loads
+    mixture = run.mixture()  # one env, or several (--envs)
+    for spec in mixture.specs:
+        spec.make(run.eval.split).close()  # before the model loads
     if run.adapter:
         from agentenv.run.leaks import seen_warning
 
-        warning = seen_warning(run.adapter, run.env_id, run.env_kwargs, run.eval.split)
-        if warning:
-            print(warning, file=sys.stderr)
+        for spec in mixture.specs:
+            warning = seen_warning(run.adapter, spec.env_id, spec.env_kwargs, run.eval.split)
+            if warning:
+                print(warning, file=sys.stderr)
     check_engine(run.generation)
     judge = run.make_judge()
     model, tokenizer = _load_policy(run)
     label = run.label or (f"{run.model}+{run.adapter}" if run.adapter else run.model)
     policy = make_policy(run.generation, model, tokenizer, model_name=run.model, dtype=run.dtype)
     try:
-        report = evaluate(
-            lambda: make(run.env_id, split=run.eval.split, **run.env_kwargs),
+        report = evaluate_mixture(
+            mixture,
+            run.eval.split,
             policy,
             ChatFormat(tokenizer),
             run.eval,
             label=label,
+            show_progress=True,
             judge=judge,
             about={
                 "env_id": run.env_id,
@@ -289,13 +293,13 @@ def _checkpoint_settings(file: str | None, overrides: dict) -> tuple[dict, str |
     if found is None:
         return {}, None
     record, source = found
-    flat = {k: given[k] for k in ("env_id", "env_kwargs", "quantize") if k in given}
+    flat = {k: given[k] for k in ("env_id", "env_kwargs", "envs", "quantize") if k in given}
     section = given.get("eval") if isinstance(given.get("eval"), dict) else {}
     flat.update({k: section[k] for k in ROLLOUT_SETTINGS if k in section})
     taken = take_recorded(record, flat)
     if not taken:
         return {}, None
-    base = {k: taken[k] for k in ("env_id", "env_kwargs", "quantize") if k in taken}
+    base = {k: taken[k] for k in ("env_id", "env_kwargs", "envs", "quantize") if k in taken}
     rollout = {k: taken[k] for k in ROLLOUT_SETTINGS if k in taken}
     if rollout:
         base["eval"] = rollout

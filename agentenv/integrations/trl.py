@@ -37,6 +37,15 @@ without a tool call. This module gives it what it needs from an agentenv env::
   otherwise it installs TRL's ChatML ``qwen2_5.jinja``. SmolLM2's own template is ChatML
   without tool support, so the bundled default model gets that template.
 
+Several envs in one run (:mod:`agentenv.run.mixture`): :func:`mixture_factory` gives TRL's
+dict ``environment_factory`` (``{name: class}``) and :func:`mixture_dataset` the rows,
+each with an ``environment`` column naming its env and as many per env as the weights
+say; TRL exposes each row's env's tools only::
+
+    envs = ["calc=Calculator-v0@2", {"env_id": "Workspace-v0", "name": "files"}]
+    GRPOTrainer(..., train_dataset=mixture_dataset(envs, num_tasks=300),
+                environment_factory=mixture_factory(envs), reward_funcs=reward_func)
+
 What differs from agentenv's own loop: TRL, not the env, decides the turn structure (a
 turn is one assistant message; ``max_tool_calling_iterations`` plays the part of the
 env's ``max_turns``), and TRL's template, not the env's parser, formats tool calls and
@@ -48,7 +57,7 @@ from __future__ import annotations
 import inspect
 import typing
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +72,8 @@ __all__ = [
     "AgentEnvironment",
     "dataset",
     "environment_factory",
+    "mixture_dataset",
+    "mixture_factory",
     "reward_func",
     "tool_chat_template",
 ]
@@ -259,6 +270,50 @@ def dataset(
         env_id, split=split, num_tasks=num_tasks, system_prompt="instructions", **env_kwargs
     )
     return Dataset.from_list(rows)
+
+
+def _mixture(envs: Sequence[Any]) -> Any:
+    """A :class:`~agentenv.run.mixture.Mixture` of ``envs``: EnvSpecs, dicts of their fields
+    or ``NAME=ENV_ID@WEIGHT`` strings."""
+    from agentenv.run.config import _env_spec
+    from agentenv.run.mixture import Mixture
+
+    return Mixture([_env_spec(item, "the envs") for item in envs])
+
+
+def mixture_factory(envs: Sequence[Any], *, split: str = "train") -> dict[str, type]:
+    """TRL's dict ``environment_factory`` for several envs: ``{name: class}``, each class
+    :func:`environment_factory`'s for that env's id and kwargs (``split`` for all)."""
+    return {
+        str(spec.name): environment_factory(spec.env_id, split=split, **spec.env_kwargs)
+        for spec in _mixture(envs).specs
+    }
+
+
+def mixture_dataset(
+    envs: Sequence[Any], *, split: str = "train", num_tasks: int | None = None
+) -> Any:
+    """The rows of several envs for TRL's dict ``environment_factory``: each env's first
+    tasks (:func:`dataset`'s rows) with an ``environment`` column holding its name.
+
+    ``num_tasks`` rows in all, split over the envs by their weights (largest remainder;
+    a schedule's weights at step 0), so that TRL's shuffled sampling mixes them in those
+    proportions; None: every task of every env (then the split sizes set the mix)."""
+    from datasets import Dataset
+
+    mixture = _mixture(envs)
+    counts = [None] * len(mixture) if num_tasks is None else mixture.largest_remainder(num_tasks)
+    rows = []
+    for spec, count in zip(mixture.specs, counts, strict=True):
+        if count == 0:
+            continue
+        own = task_rows(
+            spec.env_id, split=split, num_tasks=count, system_prompt="instructions",
+            **spec.env_kwargs,
+        )  # fmt: skip
+        rows += [{**row, "environment": spec.name} for row in own]
+    keys = list(dict.fromkeys(k for row in rows for k in row))  # every env's columns
+    return Dataset.from_list([{k: row.get(k) for k in keys} for row in rows])
 
 
 def tool_chat_template(tokenizer: Any) -> Any:

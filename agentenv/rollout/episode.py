@@ -170,6 +170,8 @@ class Episode:
         messages: The chat for display (environment tool turns keep role ``tool``).
         group: Index of the GRPO group (task) within its batch.
         seed: The reset seed of the task.
+        env: The name of its env in a run of several (:mod:`agentenv.run.mixture`); ""
+            in a run of one.
         turn_spans: ``[start, end)`` of each policy turn's tokens in ``input_ids``, one per
             turn in order (exactly the positions where ``action_mask`` is 1).
         step_rewards: The env's ``step`` reward after each policy turn (0.0 for a turn
@@ -195,6 +197,7 @@ class Episode:
     messages: list[Message] = field(default_factory=list)
     group: int = 0
     seed: int | None = None
+    env: str = ""
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     step_rewards: list[float] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)

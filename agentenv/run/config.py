@@ -21,6 +21,7 @@ from agentenv.lm.models import DEFAULT_MODEL
 from agentenv.lm.precision import check_dtype
 from agentenv.lm.quantize import check_quantize
 from agentenv.rollout.config import RolloutConfig
+from agentenv.run.mixture import EnvSpec, Mixture
 from agentenv.run.profiles import profile_settings
 from algorithms.config import EvolutionConfig, GRPOConfig, SFTConfig
 
@@ -36,6 +37,12 @@ class CommandConfig:
 
     env_id: str = option("Calculator-v0", "Registered environment id (or module:Name-v0).")
     env_kwargs: dict[str, Any] = option({}, "Constructor arguments of the env (both splits).")
+    envs: list[EnvSpec] = option(
+        [],
+        "Several envs in one run (a mixture, in place of env_id and env_kwargs): items "
+        "{env_id, env_kwargs, name, weight, schedule, max_turns} (agentenv.run.mixture); "
+        "on the command line JSON objects or NAME=ENV_ID@WEIGHT.",
+    )
     model: str = option(DEFAULT_MODEL, "Model alias, Hugging Face id or local path.")
     device: str | None = option(None, "cpu or cuda (default: cuda if available, else cpu).")
     dtype: str = option(
@@ -56,10 +63,31 @@ class CommandConfig:
         config_lib.coerce_sections(self)
         check_dtype(self.dtype, self.device)
         check_quantize(self.quantize, self._trains_adapters())
+        self.envs = [_env_spec(item, type(self).__name__) for item in self.envs]
+        if self.envs and (self.env_id != CommandConfig.env_id or self.env_kwargs):
+            raise InvalidOptionError(
+                f"envs (a mixture of {len(self.envs)}) and env_id {self.env_id!r} / env_kwargs "
+                "given together: put every env in envs, or give env_id alone"
+            )
+        self.mixture()  # two envs of one name fail here
+
+    def mixture(self) -> Mixture:
+        """The run's envs: ``envs``, or the one ``env_id`` with ``env_kwargs``."""
+        return Mixture(self.envs or [EnvSpec(self.env_id, dict(self.env_kwargs))])
 
     def _trains_adapters(self) -> bool:
         """Whether this command trains LoRA adapters (a 4-bit base needs them)."""
         return True
+
+
+def _env_spec(item: Any, where: str) -> EnvSpec:
+    """An item of ``envs``: an :class:`EnvSpec`, a dict of its fields or a command-line
+    string (:meth:`EnvSpec.parse`)."""
+    if isinstance(item, EnvSpec):
+        return item
+    if isinstance(item, str):
+        item = EnvSpec.parse(item)
+    return config_lib.from_dict(EnvSpec, item, where, "an item of envs (EnvSpec)")
 
 
 def resolve(
@@ -177,6 +205,7 @@ class TrainConfig(CommandConfig):
                 f"{self.max_failed_fraction}"
             )
         profile_settings(self.profile)  # an unknown name fails here, naming the profiles
+        self.mixture().check(self.steps)
         if self.pools.difficulty_pools and self.evolution.population > 1:
             raise InvalidOptionError(
                 "difficulty_pools with population > 1: the members would share one pool of "
@@ -241,6 +270,7 @@ class SFTRunConfig(CommandConfig):
         super().__post_init__()
         if self.num_demos < 1:
             raise InvalidOptionError(f"num_demos must be >= 1, got {self.num_demos}")
+        self.mixture().check(1)  # the demonstrations split by the weights at step 0
 
     def _trains_adapters(self) -> bool:
         return self.sft.use_lora

@@ -32,10 +32,13 @@ from typing import Any
 MIN_KEEP_RATE = 0.25
 
 
-def extra_task_seeds(seed: int, step: int, round_: int, n: int, rank: int = 0) -> list[int]:
+def extra_task_seeds(
+    seed: int, step: int, round_: int, n: int, rank: int = 0, env: str = ""
+) -> list[int]:
     """The reset seeds of round ``round_``'s ``n`` extra tasks of step ``step`` on process
-    ``rank`` (a pure function: a resumed run draws the same)."""
-    rng = random.Random(f"{seed}-{step}-extra-{round_}-{rank}")
+    ``rank`` (a pure function: a resumed run draws the same); ``env``: a mixture's env
+    (each fills its own quota from seeds of its own)."""
+    rng = random.Random(f"{seed}-{step}-extra-{round_}-{rank}" + (f"-{env}" if env else ""))
     return [rng.randrange(2**31) for _ in range(n)]
 
 

@@ -12,10 +12,11 @@ sampled episode may part from its counterpart at a near tie (greedy ones too, ra
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +82,27 @@ def summarize(groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
 
 @dataclass
 class EvalReport:
-    """Metrics plus per-task correctness (for paired comparisons)."""
+    """Metrics plus per-task correctness (for paired comparisons).
+
+    A report over several envs (:func:`evaluate_mixture`) holds each env's own report in
+    ``by_env`` (name -> its fields) and, in ``metrics`` and ``per_task``, the pooled ones:
+    every env's tasks in order, metrics averaged over them (``num_tasks`` and
+    ``judge_failures`` summed) beside each env's main ones as ``<metric>/<env>``."""
 
     metrics: dict[str, float]
     per_task: list[float]
     config: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    by_env: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def part(self, name: str) -> EvalReport:
+        """Env ``name``'s own report (of a report over several envs)."""
+        if name not in self.by_env:
+            raise InvalidOptionError(
+                f"report {self.label!r} has no env {name!r}; it has "
+                f"{', '.join(self.by_env) or 'one env only'}"
+            )
+        return EvalReport(**self.by_env[name])
 
     def save(self, path: str | Path) -> None:
         """Write the report as JSON."""
@@ -165,6 +181,68 @@ def evaluate(
     return EvalReport(metrics, per_task, {**(about or {}), **asdict(config)}, label)
 
 
+#: The metrics of each env that a report over several envs shows beside the pooled ones.
+ENV_METRICS = (
+    "accuracy", "accuracy_stderr", "mean_reward", "tool_call_rate", "mean_turns",
+    "mean_tokens", "failed_rate",
+)  # fmt: skip
+
+
+def evaluate_mixture(
+    mixture: Any,
+    split: str,
+    policy: PolicyBackend,
+    fmt: ChatFormat,
+    config: EvalConfig | None = None,
+    *,
+    label: str = "",
+    show_progress: bool = False,
+    judge: Any = None,
+    about: dict[str, Any] | None = None,
+) -> EvalReport:
+    """:func:`evaluate` on ``split`` of each env of ``mixture``
+    (:class:`~agentenv.run.mixture.Mixture`), its first ``num_tasks`` tasks each, with the
+    env's own ``max_turns`` where it sets one; one env: that env's report, as
+    :func:`evaluate` gives it. Several: their reports pooled (see :class:`EvalReport`)."""
+    config = config or EvalConfig()
+    parts = {}
+    for spec in mixture.specs:
+        cfg = config if spec.max_turns is None else replace(config, max_turns=spec.max_turns)
+        own = {**(about or {}), "env_id": spec.env_id, "env_kwargs": spec.env_kwargs}
+        own.pop("envs", None)
+        parts[spec.name] = evaluate(
+            functools.partial(spec.make, split), policy, fmt, cfg, label=label,
+            show_progress=show_progress, judge=judge, about=own,
+        )  # fmt: skip
+    if len(parts) == 1:
+        return next(iter(parts.values()))
+    envs = [asdict(spec) for spec in mixture.specs]
+    return pool_reports(parts, label, {**(about or {}), "envs": envs, **asdict(config)})
+
+
+def pool_reports(parts: dict[str, EvalReport], label: str, config: dict[str, Any]) -> EvalReport:
+    """One report of several envs' (``parts``: name -> report), see :class:`EvalReport`."""
+    per_task = [x for part in parts.values() for x in part.per_task]
+    sizes = [len(part.per_task) for part in parts.values()]
+    keys = [
+        k for k in next(iter(parts.values())).metrics if all(k in p.metrics for p in parts.values())
+    ]
+    metrics = {}
+    for k in keys:
+        values = [p.metrics[k] for p in parts.values()]
+        if k in ("num_tasks", "judge_failures"):
+            metrics[k] = sum(values)
+        else:
+            metrics[k] = sum(v * n for v, n in zip(values, sizes, strict=True)) / sum(sizes)
+    accuracy = sum(per_task) / len(per_task)
+    metrics["accuracy"] = accuracy
+    metrics["accuracy_stderr"] = math.sqrt(accuracy * (1 - accuracy) / len(per_task))
+    for name, part in parts.items():
+        metrics.update({f"{k}/{name}": part.metrics[k] for k in ENV_METRICS if k in part.metrics})
+    by_env = {name: asdict(part) for name, part in parts.items()}
+    return EvalReport(metrics, per_task, config, label, by_env)
+
+
 def _judge(
     make_env: Callable[[], gym.Env],
     task_ids: Sequence[int],
@@ -195,7 +273,13 @@ def _judge(
 
 
 def compare(a: EvalReport, b: EvalReport) -> dict[str, float]:
-    """Paired difference ``b - a`` in accuracy over the same tasks, with its standard error."""
+    """Paired difference ``b - a`` in accuracy over the same tasks, with its standard error;
+    for reports over the same several envs, each env's too (``accuracy_diff/<env>``)."""
+    out = {}
+    if a.by_env and set(a.by_env) == set(b.by_env):
+        for name in a.by_env:
+            d = compare(a.part(name), b.part(name))
+            out |= {f"{k}/{name}": v for k, v in d.items()}
     if len(a.per_task) != len(b.per_task):
         raise InvalidOptionError(
             f"reports cover different task counts ({len(a.per_task)} vs {len(b.per_task)}); "
@@ -205,13 +289,15 @@ def compare(a: EvalReport, b: EvalReport) -> dict[str, float]:
     n = len(diffs)
     mean = sum(diffs) / n
     var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
-    return {"accuracy_diff": mean, "accuracy_diff_stderr": math.sqrt(var / n)}
+    return {"accuracy_diff": mean, "accuracy_diff_stderr": math.sqrt(var / n), **out}
 
 
 def _what(report: EvalReport) -> dict[str, str]:
     """What a report evaluated, as the table's heading shows it (keys its config has)."""
     config, out = report.config, {}
-    if config.get("env_id"):
+    if config.get("envs"):
+        out["env"] = ", ".join(f"{e['name']} ({e['env_id']})" for e in config["envs"])
+    elif config.get("env_id"):
         kwargs = config.get("env_kwargs") or {}
         out["env"] = config["env_id"] + (f" {json.dumps(kwargs)}" if kwargs else "")
     if "split" in config:
@@ -252,4 +338,8 @@ def format_table(reports: Sequence[EvalReport]) -> str:
             f"accuracy diff ({names[1]} - {names[0]}): {d['accuracy_diff']:+.4f} "
             f"± {d['accuracy_diff_stderr']:.4f} (paired stderr)"
         )
+        for name in reports[0].by_env:  # reports over several envs: each env's too
+            if f"accuracy_diff/{name}" in d:
+                diff, se = d[f"accuracy_diff/{name}"], d[f"accuracy_diff_stderr/{name}"]
+                lines.append(f"  {name}: {diff:+.4f} ± {se:.4f}")
     return "\n".join(lines)

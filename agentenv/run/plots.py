@@ -1,9 +1,11 @@
 """PNG plots of a run's metrics (reward, eval accuracy, KL, loss, tokens/s, tool calls per
 episode and the rate of a second call, the share of episodes with 0, 1, 2, 3+ calls, the
-critic's value loss and explained variance, vs step)."""
+critic's value loss and explained variance, vs step). A run of several envs draws each
+env's reward, eval accuracy, correct rate and no-signal fraction beside the pooled ones."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from agentenv.rollout.stats import HISTOGRAM_TOP
@@ -29,6 +31,23 @@ PLOTS: dict[str, tuple[str, ...]] = {
     "critic": ("critic/value_loss", "critic/explained_variance"),
 }
 
+#: Plots a run of several envs draws once per metric, a line per env (``<metric>/<env>``).
+PER_ENV: dict[str, str] = {
+    "reward": "rewards/mean",
+    "eval_accuracy": "eval/accuracy",
+    "correct_rate_per_env": "episodes/correct_rate",
+    "no_signal_per_env": "frac_no_signal",
+}
+
+
+def _env_names(run_dir: Path) -> list[str]:
+    """The env names of a run of several envs (its config.json's ``envs``), else []."""
+    try:
+        envs = json.loads((run_dir / "config.json").read_text()).get("envs") or []
+    except (OSError, ValueError):
+        return []
+    return [e["name"] for e in envs if len(envs) > 1]
+
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Draw ``run_dir/plots/<name>.png`` for each metric that was logged; return the paths."""
@@ -41,7 +60,12 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, keys in PLOTS.items():
+    plots = dict(PLOTS)
+    for name, metric in PER_ENV.items():
+        own = tuple(f"{metric}/{env}" for env in _env_names(Path(run_dir)))
+        if own:
+            plots[name] = (*plots.get(name, ()), *own)
+    for name, keys in plots.items():
         series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
         if not any(series.values()):
             continue

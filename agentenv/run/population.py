@@ -40,14 +40,14 @@ use its fittest member.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
 import os
 import random
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,42 +172,45 @@ class TaskSplit:
         return [{"task_id": self.training_task(seed)} for seed in task_seeds]
 
 
-def task_split(config: TrainConfig, say: bool = False) -> TaskSplit | None:
-    """The train split of a population run with ``config.evolution.validation_tasks``
-    tasks carved out for fitness (None for a plain run: it trains on the whole split); with
+def task_splits(config: TrainConfig, say: bool = False) -> dict[int, TaskSplit]:
+    """The train split of each env of a population run (``{env index: split}``, one env
+    unless ``envs`` lists several) with ``config.evolution.validation_tasks`` tasks carved
+    out of each for fitness (none for a plain run: it trains on the whole split); with
     ``say``, print what was held out (stderr)."""
     if config.evolution.population == 1:
-        return None
-    from agentenv.env.registration import make
-
-    env = make(config.env_id, split="train", **config.env_kwargs)
-    try:
-        num_tasks = int(env.unwrapped.num_tasks)
-    finally:
-        env.close()
-    split = TaskSplit(num_tasks, validation_slice(num_tasks, config.evolution.validation_tasks))
-    if say:
-        print(
-            f"population: fitness on the validation slice of the train split, "
-            f"{len(split.validation)} of its {num_tasks} tasks (never drawn for training)",
-            file=sys.stderr,
-        )
-    return split
+        return {}
+    splits = {}
+    for index, spec in enumerate(config.mixture().specs):
+        env = spec.make("train")
+        try:
+            num_tasks = int(env.unwrapped.num_tasks)
+        finally:
+            env.close()
+        size = config.evolution.validation_tasks
+        splits[index] = TaskSplit(num_tasks, validation_slice(num_tasks, size))
+        if say:
+            print(
+                f"population: fitness on the validation slice of {spec.name}'s train split, "
+                f"{size} of its {num_tasks} tasks (never drawn for training)",
+                file=sys.stderr,
+            )
+    return splits
 
 
 def measure_fitness(
     population: Any,
-    train_env: Callable[[], Any],
+    mixture: Any,
     policy: Any,
     fmt: Any,
     config: TrainConfig,
     main: bool,
-    split: TaskSplit,
+    splits: dict[int, TaskSplit],
 ) -> list[float]:
-    """Each member's mean reward on the validation slice: one episode per task, sampled
-    at the run's temperature, task ``i`` reset with seed ``config.seed + i`` and its
-    tokens drawn from seeds of ``config.seed`` (:func:`agentenv.run.evaluate.evaluate`).
-    The main process measures, the others receive the values."""
+    """Each member's mean reward on the validation slices (of every env of the run's
+    ``mixture``, pooled over their tasks): one episode per task, sampled at the run's
+    temperature, task ``i`` reset with seed ``config.seed + i`` and its tokens drawn from
+    seeds of ``config.seed`` (:func:`agentenv.run.evaluate.evaluate`). The main process
+    measures, the others receive the values."""
     from accelerate.utils import broadcast_object_list
 
     from agentenv.run.evaluate import evaluate
@@ -226,11 +229,22 @@ def measure_fitness(
     for index in range(len(population)):
         population.activate(index)
         policy.refresh()
-        if main:
+        if not main:
+            continue
+        rewards = []  # (mean reward, tasks) per env
+        for env, split in splits.items():
+            spec = mixture.specs[env]
+            own = cfg if spec.max_turns is None else replace(cfg, max_turns=spec.max_turns)
             report = evaluate(
-                train_env, policy, fmt, cfg, show_progress=False, task_ids=split.validation
-            )
-            fitness[index] = float(report.metrics["mean_reward"])
+                functools.partial(spec.make, "train"), policy, fmt, own,
+                show_progress=False, task_ids=split.validation,
+            )  # fmt: skip
+            rewards.append((float(report.metrics["mean_reward"]), len(split.validation)))
+        fitness[index] = (
+            rewards[0][0]
+            if len(rewards) == 1
+            else sum(r * n for r, n in rewards) / sum(n for _, n in rewards)
+        )
     if population.trainer.accelerator.num_processes > 1:
         fitness = broadcast_object_list(fitness)
     for member, value in zip(population.members, fitness, strict=True):

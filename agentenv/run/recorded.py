@@ -23,17 +23,18 @@ from agentenv.errors import InvalidOptionError
 
 RUN_FILE = "run.json"  # algorithms.checkpoint.RUN_FILE (that module imports torch)
 ROLLOUT_SETTINGS = ("max_turns", "max_new_tokens", "max_episode_tokens")
-RECORDED = ("env_id", "env_kwargs", "quantize", *ROLLOUT_SETTINGS)
+RECORDED = ("env_id", "env_kwargs", "envs", "quantize", *ROLLOUT_SETTINGS)
 
 
 def run_record(config: dict[str, Any]) -> dict[str, Any]:
     """The settings a checkpoint records, from a run's config as a dict (``config.json``:
     a ``TrainConfig``'s or an ``SFTRunConfig``'s). An SFT run has no rollout: its record
-    holds the env and ``quantize`` only."""
+    holds the env and ``quantize`` only. A mixture's (``envs``) records its envs."""
     rollout = config.get("rollout") or {}
     record = {
         "env_id": config.get("env_id"),
         "env_kwargs": config.get("env_kwargs") or {},
+        "envs": config.get("envs") or None,
         "quantize": config.get("quantize"),
         "max_turns": rollout.get("max_turns"),
         "max_new_tokens": (rollout.get("sampling") or {}).get("max_new_tokens"),
@@ -103,8 +104,19 @@ def check_checkpoint(path: str | Path | None, flag: str) -> None:
 def take_recorded(record: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """The recorded settings a command uses: each of :data:`RECORDED` that ``given`` (the
     settings the user gave, by the same names) lacks. The recorded ``env_kwargs`` go with
-    the recorded env only: not when another ``env_id`` is given, nor beside given ones."""
-    other_env = "env_id" in given and env_name(given["env_id"]) != env_name(record["env_id"])
+    the recorded env only: not when another ``env_id`` is given, nor beside given ones;
+    a recorded mixture (``envs``) only where neither ``env_id`` nor ``envs`` is given."""
+    record = dict(record)
+    if record.get("envs") or "envs" in given:  # a mixture's envs stand for env_id/env_kwargs
+        record.pop("env_id", None)
+        record.pop("env_kwargs", None)
+    if "env_id" in given or "envs" in given:
+        record.pop("envs", None)
+    other_env = (
+        "env_id" in given
+        and "env_id" in record
+        and env_name(given["env_id"]) != env_name(record["env_id"])
+    )
     taken = {k: record[k] for k in RECORDED if k in record and k not in given}
     if other_env:
         taken.pop("env_kwargs", None)
@@ -119,7 +131,11 @@ def recorded_note(checkpoint: str | Path, taken: dict[str, Any], source: Path, e
     """The one line saying which settings a command took from ``checkpoint``'s run
     (``env_id``: the env the command runs)."""
     settings = ", ".join(f"{k} {taken[k]}" for k in ("quantize", *ROLLOUT_SETTINGS) if k in taken)
-    if "env_id" in taken or "env_kwargs" in taken:
+    if "envs" in taken:
+        names = ", ".join(e.get("name") or e["env_id"] for e in taken["envs"])
+        what = f"the envs the checkpoint trained on: {names}"
+        what += f", and its {settings}" if settings else ""
+    elif "env_id" in taken or "env_kwargs" in taken:
         kwargs = f" {json.dumps(taken['env_kwargs'])}" if "env_kwargs" in taken else ""
         what = f"the env the checkpoint trained on: {env_id}{kwargs}"
         what += f", and its {settings}" if settings else ""

@@ -6,9 +6,11 @@ data (env.demonstration) -> episodes (same tokens/masks as RL) -> masked-NLL SFT
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from agentenv import config as config_lib
 from agentenv.env.registration import env_name
@@ -22,7 +24,6 @@ def sft(config: SFTRunConfig) -> Path:
     """Fine-tune on demonstrations; return the checkpoint folder (``RUN/checkpoint``)."""
     import torch
 
-    from agentenv.env.registration import make
     from agentenv.lm import models
     from agentenv.lm.precision import training_dtype
     from agentenv.rollout.demos import demonstration_episodes
@@ -32,7 +33,9 @@ def sft(config: SFTRunConfig) -> Path:
 
     check_demonstrations(config)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.output_dir or f"runs/sft-{env_name(config.env_id)}-{stamp}")
+    mixture = config.mixture()
+    name = env_name(config.env_id) if len(mixture) == 1 else "mixture"
+    run_dir = Path(config.output_dir or f"runs/sft-{name}-{stamp}")
     main = processes()[1] == 0  # under several processes, only the main one writes
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -48,13 +51,19 @@ def sft(config: SFTRunConfig) -> Path:
         quantize=config.quantize,
     )
     fmt = ChatFormat(tokenizer)
-    episodes = demonstration_episodes(
-        lambda: make(config.env_id, split="train", **config.env_kwargs),
-        fmt,
-        config.num_demos,
-        seed=config.seed,
-        max_episode_tokens=config.max_episode_tokens,
-    )
+    episodes = []  # a mixture: num_demos split over its envs by their weights at step 0
+    counts = mixture.largest_remainder(config.num_demos)
+    for spec, count in zip(mixture.specs, counts, strict=True):
+        demos = demonstration_episodes(
+            functools.partial(spec.make, "train"),
+            fmt,
+            count,
+            seed=config.seed,
+            max_episode_tokens=config.max_episode_tokens,
+        )
+        for episode in demos if len(mixture) > 1 else ():
+            episode.env = str(spec.name)
+        episodes += demos
     trainer = SFT(model, tokenizer, sft_config, seed=config.seed, dtype=compute)
     trainer.run_record = run_record(config_lib.to_dict(config))  # the checkpoint's run.json
     history = trainer.fit(episodes)
@@ -73,22 +82,24 @@ def sft(config: SFTRunConfig) -> Path:
 
 
 def check_demonstrations(config: SFTRunConfig) -> None:
-    """Raise, before any model loads, if the env offers no demonstration for the first task
+    """Raise, before any model loads, if an env offers no demonstration for the first task
     ``sft`` would replay (its ``demonstration(task)`` returns None)."""
-    from agentenv.env.registration import make
+    for spec in config.mixture().specs:
+        _check_demonstrations(spec.make("train"), spec.env_id, spec.env_kwargs, config.seed)
 
-    env = make(config.env_id, split="train", **config.env_kwargs)
+
+def _check_demonstrations(env: Any, env_id: str, env_kwargs: dict, seed: int) -> None:
     try:
-        env.reset(seed=config.seed)
+        env.reset(seed=seed)
         demonstration = getattr(env.unwrapped, "demonstration", None)
         task = getattr(env.unwrapped, "task", None)
         actions = demonstration(task) if demonstration is not None else None
     finally:
         env.close()
     if not actions:
-        kwargs = f" {json.dumps(config.env_kwargs)}" if config.env_kwargs else ""
+        kwargs = f" {json.dumps(env_kwargs)}" if env_kwargs else ""
         raise InvalidOptionError(
-            f"{config.env_id}{kwargs} offers no demonstrations (its demonstration(task) "
+            f"{env_id}{kwargs} offers no demonstrations (its demonstration(task) "
             "returned None), and `agentenv sft` learns from them: give the env a "
             "demonstration(task) method returning the expert's actions, one string per turn "
             "(examples/custom_env.py has one), or choose env kwargs whose tasks have them; "

@@ -109,6 +109,7 @@ class RunLogger:
         with path.open("w") as f:
             for i, e in enumerate(episodes):
                 row = {
+                    **({"env": e.env} if e.env else {}),
                     "group": e.group,
                     "seed": e.seed,
                     "reward": e.reward,

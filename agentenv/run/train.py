@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -47,6 +48,7 @@ from agentenv.run import population as population_lib
 from agentenv.run.config import TrainConfig
 from agentenv.run.dynamic_sampling import extra_budget, extra_task_seeds, fill_batch
 from agentenv.run.export import load_from_checkpoint
+from agentenv.run.mixture import Mixture
 from agentenv.run.no_signal import SignalWatch, env_offers, no_signal_message
 from agentenv.run.pools import TaskPool, group_results
 from agentenv.run.recorded import check_checkpoint, run_record
@@ -69,6 +71,80 @@ def task_share(seed: int, step: int, batch_size: int, rank: int = 0, world: int 
     """Process ``rank``'s share of step ``step``'s tasks (every ``world``-th one): the
     shares of ``world`` processes are disjoint and together are the step's tasks."""
     return task_seeds(seed, step, batch_size)[rank::world]
+
+
+def step_share(
+    mixture: Mixture, seed: int, step: int, batch_size: int, rank: int = 0, world: int = 1
+) -> list[list[int]]:
+    """Process ``rank``'s share of step ``step``'s tasks, per env: ``[e]`` holds the task
+    seeds of env ``e`` (:meth:`Mixture.step_tasks` assigns the step's :func:`task_seeds`
+    to envs by quota; a process takes every ``world``-th task). One env: ``[task_share]``."""
+    seeds = task_seeds(seed, step, batch_size)
+    mine = list(zip(mixture.step_tasks(seeds, step), seeds, strict=True))[rank::world]
+    return [[s for env, s in mine if env == e] for e in range(len(mixture))]
+
+
+#: Rollout metrics that add up over several ``collect`` calls (a mixture's envs).
+_SUMMED = ("_s", "/tokens", "/env_errors", "/prefill_tokens")
+
+
+def merge_rollout_metrics(parts: list[tuple[list[list[Any]], dict[str, float]]]) -> dict:
+    """One step's ``rollout/*`` metrics from each env's ``collect`` (groups, metrics):
+    times and counts summed, tool and retrieval rates over every episode, the other
+    rates weighted by tokens. One part: its metrics."""
+    if len(parts) == 1:
+        return dict(parts[0][1])
+    from agentenv.rollout.stats import retrieval_stats, tool_call_stats
+
+    keys = {k for _, m in parts for k in m}
+    tokens = [max(m.get("rollout/tokens", 0.0), 1e-9) for _, m in parts]
+    out = {}
+    for k in sorted(keys):
+        values = [m.get(k, 0.0) for _, m in parts]
+        if k.endswith(_SUMMED):
+            out[k] = sum(values)
+        else:
+            out[k] = sum(v * t for v, t in zip(values, tokens, strict=True)) / sum(tokens)
+    generate = out.get("rollout/generate_s", 0.0)
+    out["rollout/tokens_per_s"] = out.get("rollout/tokens", 0.0) / generate if generate else 0.0
+    episodes = [e for groups, _ in parts for g in groups for e in g]
+    calls = {**tool_call_stats(episodes), **retrieval_stats(episodes)}
+    out.update({f"rollout/{k}": v for k, v in calls.items()})
+    return out
+
+
+def env_step_metrics(
+    name: str, groups: list[list[Any]], metrics: dict[str, float], signal: Any
+) -> dict[str, float]:
+    """Env ``name``'s share of a step, as ``<metric>/<name>``: its rollout and episode
+    metrics, mean reward and the fraction of its groups without a learning signal."""
+    episodes = [e for g in groups for e in g]
+    has = signal(groups)
+    own = {
+        **metrics,
+        **_episode_stats(groups),
+        "rewards/mean": sum(e.reward for e in episodes) / len(episodes),
+        "frac_no_signal": 1 - sum(has) / len(has),
+        "groups": float(len(groups)),
+    }
+    return {f"{k}/{name}": v for k, v in own.items()}
+
+
+def merge_sampling_metrics(parts: list[tuple[str, dict[str, float]]], group_size: int) -> dict:
+    """Dynamic sampling's ``sampling/*`` over each env's fill (:func:`fill_batch`), with
+    each env's as ``sampling/<metric>/<env>``. One env: its own."""
+    if len(parts) == 1:
+        return dict(parts[0][1])
+    out: dict[str, float] = {}
+    for tag, stats in parts:
+        out.update({f"{k}/{tag}": v for k, v in stats.items()})
+    for k in ("tasks_drawn", "groups_with_signal", "groups_trained", "rounds"):
+        out[f"sampling/{k}"] = sum(stats[f"sampling/{k}"] for _, stats in parts)
+    kept = sum(s["sampling/groups_trained"] for _, s in parts if s["sampling/groups_with_signal"])
+    out["sampling/episodes_per_trained_group"] = (
+        out["sampling/tasks_drawn"] * group_size / max(kept, 1)
+    )
+    return out
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -146,13 +222,12 @@ def train(
         config: The run's settings (default :class:`TrainConfig`).
         resume: Continue the run in ``config.output_dir`` from its last complete checkpoint.
     """
-    from agentenv.env.registration import make
     from agentenv.lm import models
     from agentenv.lm.engines import check_engine, make_policy
     from agentenv.rollout.collect import collect
     from agentenv.rollout.episode import ChatFormat
     from agentenv.run.config import EvalConfig
-    from agentenv.run.evaluate import evaluate, format_table
+    from agentenv.run.evaluate import evaluate_mixture, format_table
     from agentenv.run.plots import plot_run
     from agentenv.run.tracking import RunLogger
     from algorithms.checkpoint import latest_checkpoint
@@ -163,7 +238,9 @@ def train(
         config, env_id=env_id or config.env_id, model=model or config.model
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.output_dir or f"runs/{env_name(config.env_id)}-{stamp}")
+    mixture = config.mixture()  # one env, or several (agentenv.run.mixture)
+    name = env_name(config.env_id) if len(mixture) == 1 else "mixture"
+    run_dir = Path(config.output_dir or f"runs/{name}-{stamp}")
     if resume and not (run_dir / "config.json").exists():
         raise InvalidOptionError(f"--resume needs an existing run in {run_dir} (no config.json)")
     world, rank = processes()
@@ -174,7 +251,8 @@ def train(
             f"(each collects batch_size / {world} tasks a step); set batch_size to "
             f"{world * -(-config.batch_size // world)}"
         )
-    make(config.env_id, split="train", **config.env_kwargs).close()  # fail fast on bad env args
+    for spec in mixture.specs:  # fail fast on bad env args
+        spec.make("train").close()
     check_checkpoint(config.init_from, "--init-from")
     main = rank == 0
     if main:
@@ -196,8 +274,8 @@ def train(
             file=sys.stderr,
         )
     population_lib.check_population(config)
-    split = population_lib.task_split(config, say=main)  # population > 1: fitness's tasks
-    pool = task_pool(config)  # pools.difficulty_pools: which tasks a step draws
+    splits = population_lib.task_splits(config, say=main)  # population > 1: fitness's tasks
+    pools = task_pools(config)  # pools.difficulty_pools: which tasks a step draws, per env
     if config.generation.engine != "agentenv" and world > 1:
         raise InvalidOptionError(
             f"engine {config.generation.engine} runs in one process; with {world} processes "
@@ -226,8 +304,8 @@ def train(
         dtype=compute,
     )
     algo.run_record = run_record(config_lib.to_dict(config))  # run.json in each checkpoint
-    if pool is not None:
-        algo.attached["task_pool"] = pool  # task_pool.pt in each checkpoint
+    for index, pool in pools.items():  # task_pool.pt (task_pool_<env>.pt) in each checkpoint
+        algo.attached[pool_key(mixture, index)] = pool
     population, lineage = None, []  # evolution.population > 1: agentenv.run.population
     if config.evolution.population > 1:
         from algorithms.population import Population
@@ -271,22 +349,18 @@ def train(
         max_episode_tokens=rollout.max_episode_tokens,
     )
 
-    def train_env():  # noqa: ANN202
-        return make(config.env_id, split="train", **config.env_kwargs)
-
-    def test_env():  # noqa: ANN202
-        return make(config.env_id, split="test", **config.env_kwargs)
+    train_envs = [functools.partial(spec.make, "train") for spec in mixture.specs]
 
     def run_eval(label: str):  # noqa: ANN202
-        """The main process evaluates; the others wait for it."""
+        """The main process evaluates (each env's test split); the others wait for it."""
         report = None
         if population is not None:  # the fittest member so far
             population.activate(population.best())
         policy.refresh()  # every process: gathering sharded weights is a collective
         if main:
             about = {"env_id": config.env_id, "env_kwargs": config.env_kwargs}
-            report = evaluate(
-                test_env, policy, fmt, eval_cfg, label=label, show_progress=False, about=about
+            report = evaluate_mixture(
+                mixture, "test", policy, fmt, eval_cfg, label=label, about=about
             )
             report.save(run_dir / "eval" / f"{label}.json")
         acc.wait_for_everyone()
@@ -310,47 +384,74 @@ def train(
                 sampling_seed(config.seed, step), lineage_id
             )
 
-            drawn: list[tuple[list, list[dict]]] = []  # (groups, their reset options)
+            drawn: list[tuple[int, list, list[dict]]] = []  # (env, groups, reset options)
 
-            def draw(seeds: list[int]) -> tuple[list, dict]:
-                options = None
+            def draw(env: int, seeds: list[int]) -> tuple[list, dict]:
+                """Env ``env``'s groups of ``seeds`` (its own max_turns, sampling seed)."""
+                options, pool, split = None, pools.get(env), splits.get(env)
                 if split or pool:
                     options = split.training_options(seeds) if split else pool.options(seeds)
+                spec = mixture.specs[env]
+                env_rollout = rollout_cfg
+                if spec.max_turns is not None:
+                    env_rollout = dataclasses.replace(rollout_cfg, max_turns=spec.max_turns)
                 out = collect(
-                    train_env, seeds, policy, fmt, rollout_cfg, options=options,
-                    sample_seed=sample_seed,
+                    train_envs[env], seeds, policy, fmt, env_rollout, options=options,
+                    sample_seed=mixture.sample_seed(sample_seed, env),
                 )  # fmt: skip
-                drawn.append((out[0], options or []))
+                if len(mixture) > 1:
+                    for episode in (e for g in out[0] for e in g):
+                        episode.env = spec.name
+                drawn.append((env, out[0], options or []))
                 return out
 
-            seeds = task_share(config.seed, step, config.batch_size, rank, world)
-            groups, metrics = draw(seeds)
+            share = step_share(mixture, config.seed, step, config.batch_size, rank, world)
+            first = {e: draw(e, seeds) for e, seeds in enumerate(share) if seeds}
+            groups = [g for e in first for g in first[e][0]]
+            metrics = merge_rollout_metrics([first[e] for e in first])
             _check_failures(groups, config.max_failed_fraction, step + 1, ckpt_dir, acc)
             metrics.update(_episode_stats(groups))  # the first draw's: the policy as it is
+            if len(mixture) > 1:
+                for e, (env_groups, env_metrics) in first.items():
+                    metrics.update(env_step_metrics(
+                        mixture.names[e], env_groups, env_metrics, algo.group_signal
+                    ))  # fmt: skip
             trained = groups
             if grpo_cfg.dynamic_sampling:
                 t_extra = time.perf_counter()
-                trained, filled = fill_batch(
-                    groups,
-                    algo.group_signal,
-                    lambda r, n: draw(extra_task_seeds(config.seed, step, r, n, rank))[0],
-                    want=len(seeds),
-                    budget=extra_budget(grpo_cfg.max_extra_tasks, config.batch_size, world),
-                    any_process=any_process,
-                )
-                metrics.update(filled)
+                quotas = mixture.quotas(step, config.batch_size)
+                trained, filled = [], []
+                for e, quota in enumerate(quotas):  # each env fills its own quota
+                    if not quota:  # (on every process alike: the rounds are collectives)
+                        continue
+                    tag = mixture.names[e] if len(mixture) > 1 else ""
+                    kept, stats = fill_batch(
+                        first[e][0] if e in first else [],
+                        algo.group_signal,
+                        lambda r, n, e=e, tag=tag: draw(
+                            e, extra_task_seeds(config.seed, step, r, n, rank, tag)
+                        )[0],
+                        want=len(share[e]),
+                        budget=extra_budget(grpo_cfg.max_extra_tasks, quota, world),
+                        any_process=any_process,
+                    )
+                    trained += kept
+                    filled.append((tag, stats))
+                metrics.update(merge_sampling_metrics(filled, rollout_cfg.group_size))
                 metrics["time/extra_draws_s"] = time.perf_counter() - t_extra
-            if pool is not None:  # every process's groups, in rank order, on every process
+            if pools:  # every process's groups, in rank order, on every process
                 results = [
-                    r for gs, opts in drawn
+                    (e, *r) for e, gs, opts in drawn
                     for r in group_results(gs, [o["task_id"] for o in opts])
                 ]  # fmt: skip
                 if world > 1:
                     from accelerate.utils import gather_object
 
                     results = [tuple(r) for r in gather_object(results)]
-                pool.update(results)
-                metrics.update(pool.metrics())
+                for e, pool in pools.items():
+                    pool.update([r[1:] for r in results if r[0] == e])
+                    suffix = f"/{mixture.names[e]}" if len(mixture) > 1 else ""
+                    metrics.update({k + suffix: v for k, v in pool.metrics().items()})
             if hasattr(policy, "release_weights"):  # packed copies the update makes stale
                 policy.release_weights()
             models.release_memory()
@@ -392,7 +493,7 @@ def train(
                 evolve_now = evo.evolve_every and done % evo.evolve_every == 0
                 if evolve_now or done == config.steps:  # the last step: to pick the best
                     fitness = population_lib.measure_fitness(
-                        population, train_env, policy, fmt, config, main, split
+                        population, mixture, policy, fmt, config, main, splits
                     )
                     metrics.update({f"member{i}/fitness": f for i, f in enumerate(fitness)})
                     if evolve_now and done < config.steps:
@@ -411,8 +512,8 @@ def train(
             metrics["time/step_s"] = time.perf_counter() - t0
             if main:
                 logger.log(done, metrics)
-            if main and watch.update(metrics):  # once: NO_SIGNAL_STEPS steps in a row
-                message = no_signal_message(config, watch.rewards, env_offers(train_env))
+            if main and watch.update(metrics) and len(mixture) == 1:  # once, after
+                message = no_signal_message(config, watch.rewards, env_offers(train_envs[0]))
                 tqdm.write(message, file=sys.stderr)
             if main and config.log_episodes:
                 n = config.log_episodes
@@ -453,26 +554,34 @@ def train(
     return run_dir
 
 
-def task_pool(config: TrainConfig) -> TaskPool | None:
-    """The run's task pool (None unless ``pools.difficulty_pools``), over the train
-    split's tasks; refused, before any model loads, for an env without ``num_tasks``."""
+def task_pools(config: TrainConfig) -> dict[int, TaskPool]:
+    """The run's task pools, one per env of its mixture over that env's train split
+    (none unless ``pools.difficulty_pools``); refused, before any model loads, for an env
+    without ``num_tasks``."""
     if not config.pools.difficulty_pools:
-        return None
-    from agentenv.env.registration import make
+        return {}
+    pools = {}
+    for index, spec in enumerate(config.mixture().specs):
+        env = spec.make("train")
+        try:
+            num_tasks = getattr(env.unwrapped, "num_tasks", None)
+        finally:
+            env.close()
+        if not isinstance(num_tasks, int) or num_tasks < 1:
+            raise InvalidOptionError(
+                f"difficulty_pools picks tasks by index: {spec.env_id} has no num_tasks (and "
+                "reset(options={'task_id': i})); build it on agentenv.AgentEnv, or leave "
+                "difficulty_pools off"
+            )
+        cfg = config.pools
+        pools[index] = TaskPool(num_tasks, retire_after=cfg.retire_after, readmit=cfg.readmit)
+    return pools
 
-    env = make(config.env_id, split="train", **config.env_kwargs)
-    try:
-        num_tasks = getattr(env.unwrapped, "num_tasks", None)
-    finally:
-        env.close()
-    if not isinstance(num_tasks, int) or num_tasks < 1:
-        raise InvalidOptionError(
-            f"difficulty_pools picks tasks by index: {config.env_id} has no num_tasks (and "
-            "reset(options={'task_id': i})); build it on agentenv.AgentEnv, or leave "
-            "difficulty_pools off"
-        )
-    cfg = config.pools
-    return TaskPool(num_tasks, retire_after=cfg.retire_after, readmit=cfg.readmit)
+
+def pool_key(mixture: Mixture, index: int) -> str:
+    """The checkpoint name of env ``index``'s pool: ``task_pool`` (one env) or
+    ``task_pool_<env>``."""
+    return "task_pool" if len(mixture) == 1 else f"task_pool_{mixture.names[index]}"
 
 
 def processes() -> tuple[int, int]:

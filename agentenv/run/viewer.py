@@ -50,7 +50,9 @@ def render_html(run_dir: str | Path, step: int | None = None, max_episodes: int 
     for i, row in enumerate(rows[:max_episodes]):
         adv = row.get("advantage")
         meta = (
-            f"episode {i} &middot; group {row['group']} &middot; reward {row['reward']:g}"
+            f"episode {i} &middot; "
+            + (f"env {html.escape(row['env'])} &middot; " if row.get("env") else "")
+            + f"group {row['group']} &middot; reward {row['reward']:g}"
             f" &middot; advantage {'n/a' if adv is None else f'{adv:+.3f}'} &middot; "
             f"turns {row['num_turns']} &middot; stop {html.escape(row['stop_reason'])}"
         )

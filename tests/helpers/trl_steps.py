@@ -29,13 +29,13 @@ def memorized_policy(tokenizer, factory, row, turns):
     return memorize(tokenizer, text, prompt)
 
 
-def train_one_step(model, tokenizer, factory, rows, tmp_path):
+def train_one_step(model, tokenizer, factory, rows, tmp_path, batch=2):
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
         output_dir=str(tmp_path),
         max_steps=1,
-        per_device_train_batch_size=2,
+        per_device_train_batch_size=batch,
         num_generations=2,
         max_completion_length=256,
         max_tool_calling_iterations=2,

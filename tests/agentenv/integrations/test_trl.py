@@ -22,6 +22,8 @@ from agentenv.errors import InvalidOptionError  # noqa: E402
 from agentenv.integrations.trl import (  # noqa: E402
     dataset,
     environment_factory,
+    mixture_dataset,
+    mixture_factory,
     reward_func,
     tool_chat_template,
 )
@@ -154,3 +156,28 @@ def test_trl_grpo_trainer_runs_a_workspace_step_scored_on_the_files(tokenizer, t
     assert trainer.state.global_step == 1
     assert [e._tool_calls for e in trainer.environments] == [1, 1]
     assert log["rewards/reward_func/mean"] == 1.0  # the checker read the file the tool wrote
+
+
+def test_trl_grpo_trainer_steps_on_a_two_env_mixture(tokenizer, tmp_path):
+    """TRL's dict environment_factory: each row's `environment` picks its env (a Calculator
+    or a Workspace instance, reset to the row's task); the weights 1:1 give 2 rows each,
+    and a batch of 8 draws each row twice (G = 2)."""
+    from trl_steps import train_one_step
+
+    tokenizer = tool_chat_template(copy.deepcopy(tokenizer))  # the fixture is shared
+    envs = [
+        "calc=Calculator-v0",
+        {"env_id": "Workspace-v0", "name": "files", "env_kwargs": WORKSPACE},
+    ]
+    factories = mixture_factory(envs)
+    rows = mixture_dataset(envs, num_tasks=4)
+    assert rows["environment"] == ["calc", "calc", "files", "files"]
+    assert rows["task_id"] == [0, 1, 0, 1]
+    from agentenv.lm.models import tiny_model
+
+    trainer = train_one_step(tiny_model(tokenizer), tokenizer, factories, rows, tmp_path, batch=8)
+    assert trainer.state.global_step == 1
+    kinds = sorted(type(e).__name__ for e in trainer.environments)
+    assert kinds == ["CalculatorEnvironment"] * 4 + ["WorkspaceEnvironment"] * 4
+    assert all(e._task_id in (0, 1) for e in trainer.environments)
+    assert "rewards/reward_func/mean" in trainer.state.log_history[0]
