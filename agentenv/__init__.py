@@ -7,14 +7,16 @@ The public API is re-exported here::
     obs, info = env.reset(seed=0)
 """
 
+from agentenv.env.conversation import ConversationEnv
 from agentenv.env.core import SPLITS, Task, TextEnv, ToolEnv
 from agentenv.env.executor import ToolExecutor, ToolResult, truncate
+from agentenv.env.mixture import EnvSpec, Mixture
 from agentenv.env.parsers import ActionParser, HermesParser, ParsedAction, ReActParser, ToolCall
 from agentenv.env.play import ChatModelPolicy, EpisodeResult, play_episode
 from agentenv.env.registration import _register_bundled as _register_bundled
 from agentenv.env.registration import deregister, make, register, registry, spec
 from agentenv.env.spaces import FreeText, Message, Messages
-from agentenv.env.tools import Tool, tool
+from agentenv.env.tools import Tool, tool, toolset
 from agentenv.errors import AgentEnvError
 
 __version__ = "0.1.0"
@@ -25,8 +27,6 @@ _LAZY = {
     "ChatFormat": "agentenv.rollout.episode",
     "Episode": "agentenv.rollout.episode",
     "EpisodeBuilder": "agentenv.rollout.episode",
-    "EnvSpec": "agentenv.run.mixture",
-    "Mixture": "agentenv.run.mixture",
     "collate": "agentenv.rollout.episode",
     "Generation": "agentenv.lm.backend",
     "PolicyBackend": "agentenv.lm.backend",
@@ -52,12 +52,15 @@ __all__ = [
     "SPLITS",
     "ActionParser",
     "ChatModelPolicy",
+    "ConversationEnv",
+    "EnvSpec",
     "EpisodeResult",
     "AgentEnvError",
     "FreeText",
     "HermesParser",
     "Message",
     "Messages",
+    "Mixture",
     "ParsedAction",
     "ReActParser",
     "Task",
@@ -74,6 +77,7 @@ __all__ = [
     "registry",
     "spec",
     "tool",
+    "toolset",
     "truncate",
 ]
 

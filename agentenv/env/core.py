@@ -120,7 +120,8 @@ class ToolEnv(TextEnv):
 
     Subclasses implement :attr:`num_tasks`, :meth:`get_task` and :meth:`score`,
     and may override :meth:`instructions` (the task-family part of the system
-    prompt) and :meth:`on_reset` (per-episode setup).
+    prompt), :meth:`on_reset` (per-episode setup) and :meth:`episode_tools` (tools that
+    hold state, built fresh for each episode).
 
     Args:
         tools: Tools on offer.
@@ -168,9 +169,8 @@ class ToolEnv(TextEnv):
         self.tools = list(tools)
         self.parser: ActionParser = parser or HermesParser()
         self.max_turns = int(max_turns)
-        self.executor = ToolExecutor(
-            self.tools, timeout_s=tool_timeout_s, max_output_chars=max_output_chars
-        )
+        self._tool_limits = {"timeout_s": tool_timeout_s, "max_output_chars": max_output_chars}
+        self.executor = ToolExecutor(self.tools, **self._tool_limits)
         self.task: Task | None = None
         self.messages: list[dict[str, str]] = []
         self._done = True
@@ -196,6 +196,16 @@ class ToolEnv(TextEnv):
 
     def on_reset(self, task: Task) -> None:
         """Per-episode setup after the task is chosen (default: nothing)."""
+
+    def episode_tools(self, task: Task) -> Sequence[Tool] | None:
+        """The tools of an episode of ``task``, built at each reset; None (the default):
+        the constructor's ``tools``.
+
+        For tools that hold state: return ``agentenv.toolset(MyApi(task...))``, a fresh
+        object per episode, so no two episodes (or concurrent envs) share it. The episode's
+        calls run in order, one after another (they may depend on each other), and the
+        system prompt lists these tools."""
+        return None
 
     def demonstration(self, task: Task) -> list[str] | None:
         """Expert actions that solve ``task`` (one string per turn), or ``None``.
@@ -229,6 +239,10 @@ class ToolEnv(TextEnv):
     ) -> tuple[list[Message], dict[str, Any]]:
         index = self._pick_task(seed, options)
         self.task = self.get_task(index)
+        tools = self.episode_tools(self.task)
+        if tools is not None:  # a stateful toolset: this episode's own objects
+            self.tools = list(tools)
+            self.executor = ToolExecutor(self.tools, **self._tool_limits, in_order=True)
         self.on_reset(self.task)
         self._done = False
         self._stats = {"turn": 0, "num_tool_calls": 0, "num_tool_errors": 0, "tool_errors": {}}

@@ -60,10 +60,17 @@ class ToolExecutor:
         tools: The tools on offer.
         timeout_s: Wall-clock limit per call, in seconds.
         max_output_chars: Longest output returned; longer output keeps head and tail.
+        in_order: Run a message's calls one after another, in order (tools that share
+            state, e.g. a stateful toolset's: ``cd`` then ``ls``), not concurrently.
     """
 
     def __init__(
-        self, tools: Sequence[Tool], *, timeout_s: float = 10.0, max_output_chars: int = 2000
+        self,
+        tools: Sequence[Tool],
+        *,
+        timeout_s: float = 10.0,
+        max_output_chars: int = 2000,
+        in_order: bool = False,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -72,10 +79,12 @@ class ToolExecutor:
         self.tools = {t.name: t for t in tools}
         self.timeout_s = float(timeout_s)
         self.max_output_chars = int(max_output_chars)
+        self.in_order = bool(in_order)
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-        """Run ``calls`` concurrently; results come back in call order."""
-        if len(calls) <= 1:
+        """Run ``calls`` concurrently (``in_order``: one after another); results come back in
+        call order."""
+        if len(calls) <= 1 or self.in_order:
             return [self.run_one(c) for c in calls]
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
             return list(pool.map(self.run_one, calls))

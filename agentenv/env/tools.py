@@ -27,7 +27,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,3 +250,40 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> An
         return Tool(name=tool_name, description=description, parameters=params, fn=f)
 
     return build(fn) if fn is not None else build
+
+
+def toolset(
+    obj: object,
+    *,
+    include: Sequence[str] | None = None,
+    rename: Mapping[str, str] | None = None,
+) -> list[Tool]:
+    """The public methods of ``obj`` as tools, bound to it: a stateful toolset.
+
+    Each method becomes a :class:`Tool` as :func:`tool` builds one (schema from its type
+    hints and Google docstring); a call runs on ``obj``, so the tools share its state
+    (a file system's current folder, a cart's items). Build one object per episode
+    (:meth:`agentenv.ToolEnv.episode_tools`) and episodes never share state.
+
+    Args:
+        obj: Any object.
+        include: The methods to expose, in this order (default: every public method
+            of its class, by name).
+        rename: ``{method: tool name}`` for methods whose tool name differs.
+
+    Raises:
+        ToolDefinitionError: a method that ``include`` or ``rename`` names is missing,
+            or one lacks type hints or docstring entries (as :func:`tool` says).
+    """
+    cls = type(obj)
+    public = sorted(
+        n for n, v in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")
+    )
+    names = list(public if include is None else include)
+    rename = dict(rename or {})
+    for name in [*names, *rename]:
+        if name not in public:
+            raise ToolDefinitionError(
+                f"{cls.__name__} has no public method {name!r}; its methods: {', '.join(public)}"
+            )
+    return [tool(getattr(obj, n), name=rename.get(n, n)) for n in names]

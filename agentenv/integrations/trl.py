@@ -37,7 +37,7 @@ without a tool call. This module gives it what it needs from an agentenv env::
   otherwise it installs TRL's ChatML ``qwen2_5.jinja``. SmolLM2's own template is ChatML
   without tool support, so the bundled default model gets that template.
 
-Several envs in one run (:mod:`agentenv.run.mixture`): :func:`mixture_factory` gives TRL's
+Several envs in one run (:mod:`agentenv.env.mixture`): :func:`mixture_factory` gives TRL's
 dict ``environment_factory`` (``{name: class}``) and :func:`mixture_dataset` the rows,
 each with an ``environment`` column naming its env and as many per env as the weights
 say; TRL exposes each row's env's tools only::
@@ -61,6 +61,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from agentenv.env.conversation import ConversationEnv
 from agentenv.env.core import ToolEnv
 from agentenv.env.parsers import ToolCall
 from agentenv.env.registration import make
@@ -200,6 +201,18 @@ def environment_factory(env_id: str, **env_kwargs: Any) -> type[AgentEnvironment
                 f"{env_id} is a {type(inner).__name__}, not a ToolEnv: TRL's "
                 "environment_factory needs the env's tools; wrap a ToolEnv instead"
             )
+        if isinstance(inner, ConversationEnv):
+            raise InvalidOptionError(
+                f"{env_id} is a ConversationEnv: after an answer its user asks a follow-up, "
+                "and TRL ends a rollout at the first answer without a tool call, so the "
+                "follow-up turns would never be played; train it with agentenv train, or "
+                "through SkyRL, verifiers, verl or GEM, which pass each user message back"
+            )
+        if type(inner).episode_tools is not ToolEnv.episode_tools:
+            raise InvalidOptionError(
+                f"{env_id} builds its tools per episode (episode_tools): TRL reads the tools "
+                "once, from a probe instance's methods; give the env fixed tools for TRL"
+            )
         tools = list(inner.tools)
     finally:
         probe.close()
@@ -273,12 +286,11 @@ def dataset(
 
 
 def _mixture(envs: Sequence[Any]) -> Any:
-    """A :class:`~agentenv.run.mixture.Mixture` of ``envs``: EnvSpecs, dicts of their fields
+    """A :class:`~agentenv.env.mixture.Mixture` of ``envs``: EnvSpecs, dicts of their fields
     or ``NAME=ENV_ID@WEIGHT`` strings."""
-    from agentenv.run.config import _env_spec
-    from agentenv.run.mixture import Mixture
+    from agentenv.env.mixture import EnvSpec, Mixture
 
-    return Mixture([_env_spec(item, "the envs") for item in envs])
+    return Mixture([EnvSpec.coerce(item, "the envs") for item in envs])
 
 
 def mixture_factory(envs: Sequence[Any], *, split: str = "train") -> dict[str, type]:

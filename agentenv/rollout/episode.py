@@ -170,7 +170,7 @@ class Episode:
         messages: The chat for display (environment tool turns keep role ``tool``).
         group: Index of the GRPO group (task) within its batch.
         seed: The reset seed of the task.
-        env: The name of its env in a run of several (:mod:`agentenv.run.mixture`); ""
+        env: The name of its env in a run of several (:mod:`agentenv.env.mixture`); ""
             in a run of one.
         turn_spans: ``[start, end)`` of each policy turn's tokens in ``input_ids``, one per
             turn in order (exactly the positions where ``action_mask`` is 1).

@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 
 from agentenv import config as config_lib
 from agentenv.config import option
+from agentenv.env.mixture import EnvSpec, Mixture
 from agentenv.errors import InvalidOptionError
 from agentenv.lm.backend import EngineConfig, SamplingConfig
 from agentenv.lm.models import DEFAULT_MODEL
 from agentenv.lm.precision import check_dtype
 from agentenv.lm.quantize import check_quantize
 from agentenv.rollout.config import RolloutConfig
-from agentenv.run.mixture import EnvSpec, Mixture
 from agentenv.run.profiles import profile_settings
 from algorithms.config import EvolutionConfig, GRPOConfig, SFTConfig
 
@@ -40,7 +40,7 @@ class CommandConfig:
     envs: list[EnvSpec] = option(
         [],
         "Several envs in one run (a mixture, in place of env_id and env_kwargs): items "
-        "{env_id, env_kwargs, name, weight, schedule, max_turns} (agentenv.run.mixture); "
+        "{env_id, env_kwargs, name, weight, schedule, max_turns} (agentenv.env.mixture); "
         "on the command line JSON objects or NAME=ENV_ID@WEIGHT.",
     )
     model: str = option(DEFAULT_MODEL, "Model alias, Hugging Face id or local path.")
@@ -63,7 +63,7 @@ class CommandConfig:
         config_lib.coerce_sections(self)
         check_dtype(self.dtype, self.device)
         check_quantize(self.quantize, self._trains_adapters())
-        self.envs = [_env_spec(item, type(self).__name__) for item in self.envs]
+        self.envs = [EnvSpec.coerce(item, type(self).__name__) for item in self.envs]
         if self.envs and (self.env_id != CommandConfig.env_id or self.env_kwargs):
             raise InvalidOptionError(
                 f"envs (a mixture of {len(self.envs)}) and env_id {self.env_id!r} / env_kwargs "
@@ -78,16 +78,6 @@ class CommandConfig:
     def _trains_adapters(self) -> bool:
         """Whether this command trains LoRA adapters (a 4-bit base needs them)."""
         return True
-
-
-def _env_spec(item: Any, where: str) -> EnvSpec:
-    """An item of ``envs``: an :class:`EnvSpec`, a dict of its fields or a command-line
-    string (:meth:`EnvSpec.parse`)."""
-    if isinstance(item, EnvSpec):
-        return item
-    if isinstance(item, str):
-        item = EnvSpec.parse(item)
-    return config_lib.from_dict(EnvSpec, item, where, "an item of envs (EnvSpec)")
 
 
 def resolve(

@@ -201,7 +201,7 @@ def evaluate_mixture(
     about: dict[str, Any] | None = None,
 ) -> EvalReport:
     """:func:`evaluate` on ``split`` of each env of ``mixture``
-    (:class:`~agentenv.run.mixture.Mixture`), its first ``num_tasks`` tasks each, with the
+    (:class:`~agentenv.env.mixture.Mixture`), its first ``num_tasks`` tasks each, with the
     env's own ``max_turns`` where it sets one; one env: that env's report, as
     :func:`evaluate` gives it. Several: their reports pooled (see :class:`EvalReport`)."""
     config = config or EvalConfig()

@@ -41,6 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from agentenv import config as config_lib
+from agentenv.env.mixture import Mixture
 from agentenv.env.registration import env_name
 from agentenv.errors import EnvFailureError, InvalidOptionError
 from agentenv.lm.precision import resolve_dtype, training_dtype
@@ -48,7 +49,6 @@ from agentenv.run import population as population_lib
 from agentenv.run.config import TrainConfig
 from agentenv.run.dynamic_sampling import extra_budget, extra_task_seeds, fill_batch
 from agentenv.run.export import load_from_checkpoint
-from agentenv.run.mixture import Mixture
 from agentenv.run.no_signal import SignalWatch, env_offers, no_signal_message
 from agentenv.run.pools import TaskPool, group_results
 from agentenv.run.recorded import check_checkpoint, run_record
@@ -238,7 +238,7 @@ def train(
         config, env_id=env_id or config.env_id, model=model or config.model
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    mixture = config.mixture()  # one env, or several (agentenv.run.mixture)
+    mixture = config.mixture()  # one env, or several (agentenv.env.mixture)
     name = env_name(config.env_id) if len(mixture) == 1 else "mixture"
     run_dir = Path(config.output_dir or f"runs/{name}-{stamp}")
     if resume and not (run_dir / "config.json").exists():

@@ -406,3 +406,41 @@ def test_serve_off_loopback_needs_a_token_and_a_bwrap_sandbox_for_code(monkeypat
     assert openenv_integration.app("Workspace-v0", require_bwrap=False, **WORKSPACE) is not None
     assert openenv_integration.env_info("Workspace-v0", **WORKSPACE)["sandbox"] == "rlimit"
     assert "sandbox" not in openenv_integration.env_info("Calculator-v0", **ENV)
+
+
+def test_eight_concurrent_conversation_sessions_each_keep_their_own_cart(tmp_path):
+    """The shop example (a ConversationEnv with a stateful toolset) served: 8 sessions at
+    once each play a task's demonstration; each gets the follow-up user turn and reward 1,
+    as the local env does: no cart is shared between sessions."""
+    import importlib.util
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "conversation_env.py"
+    spec = importlib.util.spec_from_file_location("conversation_env_openenv", example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    local = module.ShopEnv(split="train")
+    demos = []
+    for task in range(8):
+        local.reset(options={"task_id": task})
+        demos.append(local.demonstration(local.task))
+    results, errors = {}, []
+
+    def play(i, url):
+        try:
+            with session(url) as env:
+                env.reset(task_id=i)
+                for action in demos[i]:
+                    r = env.step({"text": action})
+                    time.sleep(0.05)  # interleave the sessions' steps
+                results[i] = (r.reward, r.done)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"session {i}: {exc!r}")
+
+    with servers.serve("examples.conversation_env:Shop-v0", tmp_path / "shop.log") as url:
+        threads = [threading.Thread(target=play, args=(i, url)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert errors == [] and results == {i: (1.0, True) for i in range(8)}

@@ -99,3 +99,28 @@ def test_string_entry_point_takes_the_env_from_env_config():
             skyrl_gym.make("agentenv-any", extras={"task_id": 0})
     finally:
         skyrl_gym.envs.registration.deregister("agentenv-any")
+
+
+def test_a_conversation_plays_its_follow_up_user_turn_through_skyrl_gym():
+    """The shop example (two user turns, a cart per episode) through skyrl-gym: the
+    follow-up arrives as a user observation, and the demonstration earns reward 1."""
+    import importlib.util
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "conversation_env.py"
+    spec = importlib.util.spec_from_file_location("conversation_env_skyrl", example)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # registers Shop-v0
+    skyrl_id = skyrl.register("Shop-v0")
+    try:
+        row = skyrl.dataset_rows("Shop-v0", num_tasks=1)[0]
+        extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
+        env = skyrl_gym.make(skyrl_id, env_config=DictConfig({}), extras=extras)
+        env.init(row["prompt"])
+        inner = make("Shop-v0").unwrapped
+        outs = [env.step(action) for action in inner.demonstration(inner.get_task(0))]
+        follow_up = outs[2]["observations"]
+        assert [m["role"] for m in follow_up] == ["user"]
+        assert follow_up[0]["content"] == inner.get_task(0).metadata["user_turns"][0]
+        assert [o["done"] for o in outs] == [False] * 4 + [True] and outs[-1]["reward"] == 1.0
+    finally:
+        skyrl_gym.envs.registration.deregister(skyrl_id)

@@ -181,3 +181,14 @@ def test_trl_grpo_trainer_steps_on_a_two_env_mixture(tokenizer, tmp_path):
     assert kinds == ["CalculatorEnvironment"] * 4 + ["WorkspaceEnvironment"] * 4
     assert all(e._task_id in (0, 1) for e in trainer.environments)
     assert "rewards/reward_func/mean" in trainer.state.log_history[0]
+
+
+def test_a_conversation_env_is_refused_saying_what_trl_cannot_carry():
+    import importlib.util
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "conversation_env.py"
+    spec = importlib.util.spec_from_file_location("conversation_env_trl", example)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # registers Shop-v0
+    with pytest.raises(InvalidOptionError, match="TRL ends a rollout at the first answer"):
+        environment_factory("Shop-v0")

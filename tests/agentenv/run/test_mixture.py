@@ -1,4 +1,4 @@
-"""Several envs in one run (:mod:`agentenv.run.mixture`): quotas by hand, schedules, task
+"""Several envs in one run (:mod:`agentenv.env.mixture`): quotas by hand, schedules, task
 and seed namespaces, the config's forms and errors, per-env metrics of a real run and its
 resume, reports pooled over envs."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from agentenv.env.mixture import EnvSpec, Mixture
 from agentenv.errors import InvalidOptionError
 from agentenv.run.config import EvalRunConfig, SFTRunConfig, TrainConfig
 from agentenv.run.dynamic_sampling import extra_task_seeds
 from agentenv.run.evaluate import EvalReport, compare, format_table, pool_reports
-from agentenv.run.mixture import EnvSpec, Mixture
 from agentenv.run.recorded import take_recorded
 from agentenv.run.train import step_share, task_seeds, task_share
 

@@ -255,7 +255,7 @@ def test_a_mixture_on_two_processes_draws_the_episodes_of_one(tiny_model_dir, tm
     """Two envs 1:1 over 4 tasks: tasks 0, 1 the first env's, 2, 3 the second's; rank 0
     of 2 collects tasks 0 and 2 (one of each env), with its env's name, max_turns and
     sampling seed, the same episodes one process draws for them (up to a near tie)."""
-    from agentenv.run.mixture import EnvSpec, Mixture
+    from agentenv.env.mixture import EnvSpec, Mixture
     from agentenv.run.train import step_share
 
     envs = ["coin=coin_env:CoinCalculator-v0", "calc=coin_env:CoinCalculator-v0"]

@@ -19,10 +19,10 @@ A weight of 0 drops the env for
 those steps and clears its debt. Quotas are a pure function of the step (replayed from
 step 0), so a resumed run gets the quotas an uninterrupted one did.
 
-A step's tasks are :func:`agentenv.run.train.task_seeds` in order, the first
-``quota_0`` of them env 0's, and so on; each env's tasks, logs and metrics carry its
-name, and its episodes draw their tokens from a sampling seed of their own
-(:meth:`Mixture.sample_seed`), so no two envs' tasks collide.
+A step's tasks are the training loop's task seeds (``agentenv.run.train.task_seeds``)
+in order, the first ``quota_0`` of them env 0's, and so on; each env's tasks, logs and
+metrics carry its name, and its episodes draw their tokens from a sampling seed of their
+own (:meth:`Mixture.sample_seed`), so no two envs' tasks collide.
 """
 
 from __future__ import annotations
@@ -79,6 +79,18 @@ class EnvSpec:
             raise InvalidOptionError(
                 f"env {self.name!r}: max_turns must be >= 1 (or none), got {self.max_turns}"
             )
+
+    @classmethod
+    def coerce(cls, item: Any, where: str = "config") -> EnvSpec:
+        """An item of ``envs``: an :class:`EnvSpec`, a dict of its fields (strict keys) or
+        a command-line string (:meth:`parse`)."""
+        from agentenv import config as config_lib
+
+        if isinstance(item, EnvSpec):
+            return item
+        if isinstance(item, str):
+            item = cls.parse(item)
+        return config_lib.from_dict(cls, item, where, "an item of envs (EnvSpec)")
 
     @classmethod
     def parse(cls, text: str) -> dict[str, Any]:
