@@ -53,6 +53,10 @@ fi
 # gem-llm without its pins (reasoning-gym==0.1.23 would replace agentenv's newer one)
 "$PY" -m pip install --no-deps "gem-llm==0.1.0" \
   || echo "install.sh: gem-llm did not install; the GEM tests will skip"
+# BFCL v4 multi-turn's tasks, tool classes and checker (envs/bfcl, agentenv/BFCL-v0), --no-deps:
+#    it declares old numpy pins and hosted-model clients the env never imports
+"$PY" -m pip install --no-deps "bfcl-eval==2026.3.23" \
+  || echo "install.sh: bfcl-eval did not install; BFCL-v0 and its tests will skip"
 # verl's agent loop (agentenv.integrations.verl), --no-deps: verl 0.9.1 declares
 #    transformers<5.11 (its agent-loop code runs on ours) and many GPU extras. What
 #    `import verl.experimental.agent_loop` needs, pinned to add nothing to what is here:

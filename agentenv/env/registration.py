@@ -206,6 +206,7 @@ def _register_bundled() -> None:
         "Calculator-v0": "envs.calculator:CalculatorEnv",
         "RAG-v0": "envs.rag:RAGEnv",
         "Workspace-v0": "envs.workspace:WorkspaceEnv",
+        "BFCL-v0": "envs.bfcl:BFCLEnv",
         # any OpenEnv server, ours (`agentenv serve`) or another: make(..., base_url=...)
         "OpenEnv-v0": "agentenv.integrations.openenv:OpenEnvClientEnv",
     }
