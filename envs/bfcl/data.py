@@ -20,7 +20,7 @@ from typing import Any
 
 from agentenv.errors import InvalidOptionError
 
-CATEGORIES = ("base", "miss_param", "long_context")  # miss_func: not yet (new tools mid-way)
+CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 INSTALL = "pip install --no-deps bfcl-eval==2026.3.23 (install.sh does)"
 
 
@@ -42,9 +42,8 @@ def load_category(category: str) -> tuple[dict[str, Any], ...]:
     """Every task of a multi-turn category: BFCL's entry with its ``ground_truth``."""
     if category not in CATEGORIES:
         raise InvalidOptionError(
-            f"BFCL-v0 category must be one of {CATEGORIES}, got {category!r} (miss_func, whose "
-            "tools arrive mid-conversation, and web_search, which needs the internet, are "
-            "not supported)"
+            f"BFCL-v0 category must be one of {CATEGORIES}, got {category!r} (web_search needs "
+            "the internet, memory and format_sensitivity are not multi-turn categories here)"
         )
     data = package_dir() / "data"
     entries = _jsonl(data / f"BFCL_v4_multi_turn_{category}.json")

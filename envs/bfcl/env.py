@@ -32,12 +32,22 @@ from typing import Any
 
 from agentenv.env.conversation import ConversationEnv
 from agentenv.env.core import Task
+from agentenv.env.executor import ToolExecutor
 from agentenv.env.splits import hashed_split
 from agentenv.env.tools import Tool
 from agentenv.errors import InvalidOptionError
 from envs.bfcl import data
 
 TEST_FRACTION = 0.25
+
+
+def _tool_line(tool: Tool) -> str:
+    """``name(arg, optional?): what it does``: a tool in the compact prompt."""
+    params = tool.parameters.get("properties", {})
+    required = set(tool.parameters.get("required", []))
+    args = ", ".join(p if p in required else f"{p}?" for p in params)
+    about = tool.description.split("Tool description:")[-1].strip().split(". ")[0]
+    return f"{tool.name}({args}): {about.rstrip('.')}"
 
 
 def call_actions(turns: list[list[dict[str, Any]]]) -> list[str]:
@@ -77,7 +87,9 @@ class BFCLEnv(ConversationEnv):
 
     Args:
         split: ``"train"`` or ``"test"`` (a stable hash of the task id; 1/4 test).
-        category: ``"base"`` (default), ``"miss_param"`` or ``"long_context"``.
+        category: ``"base"`` (default), ``"miss_func"`` (a tool withheld until a later
+            turn, which announces it as BFCL's harness does), ``"miss_param"`` or
+            ``"long_context"``.
         num_tasks: The split's first N tasks (default: all).
         prompt_style: ``"compact"`` (default: one line per tool) or ``"full"`` (every
             tool's JSON schema).
@@ -113,6 +125,7 @@ class BFCLEnv(ConversationEnv):
         self.truth: dict[str, Any] = {}  # the ground truth's copies, a turn behind the agent's
         self.turn_calls: list[list[list[str]]] = []  # per user turn, per action: call strings
         self.results: list[str] = []  # every executed call's result, BFCL's text
+        self._held: dict[int, list[Tool]] = {}
 
     @property
     def num_tasks(self) -> int:
@@ -121,8 +134,13 @@ class BFCLEnv(ConversationEnv):
     def get_task(self, index: int) -> Task:
         entry = self._entries[index]
         turns = ["\n".join(m["content"] for m in turn) for turn in entry["question"]]
-        if not all(turns):
-            raise InvalidOptionError(f"BFCL task {entry['id']}: a user turn without a message")
+        held = {int(t) for t in entry.get("missed_function") or {}}
+        empty = [t for t, text in enumerate(turns) if not text and t not in held]
+        if empty:
+            raise InvalidOptionError(
+                f"BFCL task {entry['id']}: question[{empty[0]}] has no user message and no "
+                "missed_function arrives then"
+            )
         return Task(
             id=entry["id"],
             prompt=turns[0],
@@ -146,7 +164,9 @@ class BFCLEnv(ConversationEnv):
                 ) from exc
         self.turn_calls = [[] for _ in entry["question"]]
         self.results = []
-        excluded = set(entry.get("excluded_function") or ())
+        held = {n for names in (entry.get("missed_function") or {}).values() for n in names}
+        excluded = set(entry.get("excluded_function") or ()) - held
+        self._held: dict[int, list[Tool]] = {}  # miss_func: the tools a later turn adds
         tools: dict[str, Tool] = {}  # a name two classes share: the later class's (as BFCL)
         for name in classes:
             for doc in data.func_docs(name):
@@ -157,8 +177,31 @@ class BFCLEnv(ConversationEnv):
                 schema.setdefault("properties", {})
                 schema.setdefault("required", [])
                 fn = self._recorded(doc["name"], method)
-                tools[doc["name"]] = BFCLTool(doc["name"], doc["description"], schema, fn)
+                tool = BFCLTool(doc["name"], doc["description"], schema, fn)
+                if doc["name"] in held:
+                    turn = next(
+                        int(t)
+                        for t, names in entry["missed_function"].items()
+                        if doc["name"] in names
+                    )
+                    self._held.setdefault(turn, []).append(tool)
+                else:
+                    tools[doc["name"]] = tool
         return list(tools.values())
+
+    def next_user_message(self, task: Task, turn: int) -> str | None:
+        """The task's next user turn; at a ``miss_func`` turn, the tools it adds (now
+        callable) and BFCL's "I have updated some more functions you can choose from"."""
+        if turn not in self._held:
+            return super().next_user_message(task, turn)
+        from bfcl_eval.constants.default_prompts import (
+            DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC as MORE,
+        )
+
+        new = self._held.pop(turn)
+        self.tools = [*self.tools, *new]
+        self.executor = ToolExecutor(self.tools, **self._tool_limits, in_order=True)
+        return "\n".join(_tool_line(t) for t in new) + "\n" + MORE
 
     def _recorded(self, name: str, method: Any) -> Any:
         """``method`` that records its call (as BFCL's decoder writes it) and its result (as
@@ -231,13 +274,7 @@ class BFCLEnv(ConversationEnv):
         )
 
     def compact_prompt(self) -> str:
-        lines = []
-        for t in self.tools:
-            params = t.parameters.get("properties", {})
-            required = set(t.parameters.get("required", []))
-            args = ", ".join(p if p in required else f"{p}?" for p in params)
-            about = t.description.split("Tool description:")[-1].strip().split(". ")[0]
-            lines.append(f"{t.name}({args}): {about.rstrip('.')}")
+        lines = [_tool_line(t) for t in self.tools]
         example = json.dumps({"name": self.tools[0].name, "arguments": {}}) if self.tools else "{}"
         return (
             f"{self.instructions()} Call a tool with <tool_call>{example}</tool_call> (fill "

@@ -45,15 +45,46 @@ def checker_verdict(env) -> bool:
     ]
 
 
-@pytest.mark.parametrize("split", ["train", "test"])
-def test_the_ground_truth_solves_every_base_task_and_the_checker_agrees(split):
-    env = BFCLEnv(split=split)
-    assert env.num_tasks == {"train": 152, "test": 48}[split]
-    for task_id in range(env.num_tasks):
-        env.reset(options={"task_id": task_id})
-        info = play(env, task_id, env.truth_calls())
-        assert info["correct"] and info["turns_correct"] == len(env.task.answer), env.task.id
-        assert checker_verdict(env), env.task.id
+# Ground truths that fail BFCL's own checker too: long_context's loader names files at
+# random (two fresh instances differ); miss_func_49's ground truth calls `tail` two turns
+# before the turn that provides it.
+UNSOLVABLE = {"multi_turn_long_context_38", "multi_turn_long_context_46", "multi_turn_miss_func_49"}
+
+
+@pytest.mark.parametrize("category", ["base", "miss_func", "miss_param", "long_context"])
+def test_the_ground_truth_solves_every_task_and_the_checker_agrees(category):
+    solved = 0
+    for split in ("train", "test"):
+        env = BFCLEnv(split=split, category=category)
+        for task_id in range(env.num_tasks):
+            env.reset(options={"task_id": task_id})
+            info = play(env, task_id, env.truth_calls())
+            assert bool(info["correct"]) == checker_verdict(env), env.task.id
+            assert bool(info["correct"]) == (env.task.id not in UNSOLVABLE), env.task.id
+            solved += bool(info["correct"])
+    assert (
+        solved == {"base": 200, "miss_func": 199, "miss_param": 200, "long_context": 198}[category]
+    )
+
+
+def test_a_miss_func_turn_adds_its_tools_with_bfcls_message():
+    env = BFCLEnv(split="train", category="miss_func")
+    env.reset(options={"task_id": 0})
+    held = {turn: [t.name for t in tools] for turn, tools in env._held.items()}
+    ((turn, names),) = held.items()
+    assert not {t.name for t in env.tools} & set(names)
+    actions = call_actions(env.truth_calls())
+    for action in actions:
+        obs, *_, info = env.step(action)
+        if info.get("user_turn") == turn and obs and obs[0]["role"] == "user":
+            assert obs[0]["content"].endswith(
+                "I have updated some more functions you can choose from. What about now?"
+            )
+            assert all(name in obs[0]["content"] for name in names)
+            assert set(names) <= {t.name for t in env.tools}
+            break
+    else:
+        raise AssertionError("the miss_func turn never came")
 
 
 def perturb(turns, rng):
