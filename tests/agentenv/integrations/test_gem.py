@@ -86,3 +86,25 @@ def test_envs_registered_later_are_added_by_register():
         agentenv.deregister("LaterForGEM-v0")
     with pytest.raises(InvalidOptionError, match="'Nope-v0' is not a registered agentenv id"):
         agentenv_gem.register(["Nope-v0"])
+
+
+def test_a_bfcl_conversation_plays_through_gem_with_its_follow_up_user_turns():
+    """BFCL-v0 (a ConversationEnv with stateful tools) through GEM: tool results are marked
+    use_tool, each follow-up user turn comes back as the next observation, and the
+    ground truth earns reward 1."""
+    pytest.importorskip("bfcl_eval", reason="bfcl-eval is not installed (install.sh does)")
+    agentenv_gem.register(["BFCL-v0"])
+    env = gem.make("agentenv:BFCL-v0", num_tasks=2)
+    try:
+        env.reset(seed=0)
+        inner = env.env.unwrapped
+        follow_ups = list(inner.task.metadata["user_turns"])
+        texts = []
+        for action in inner.demonstration(inner.task):
+            text, reward, terminated, _, info = env.step(action)
+            texts.append((text, info["use_tool"]))
+        users = [t for t, use_tool in texts if t and not use_tool]
+        assert users == follow_ups and terminated and reward == 1.0
+        assert any(use_tool for _, use_tool in texts)
+    finally:
+        env.close()
