@@ -1,7 +1,7 @@
 """Several environments in one run: each env's share of a step's groups, by weight.
 
 A run's ``envs`` list (:class:`EnvSpec`: an id, its kwargs, a name, a weight or a
-schedule of weights, optionally its own ``max_turns``) is a :class:`Mixture`; a run with
+schedule of weights, optionally its own turn and token limits) is a :class:`Mixture`; a run with
 one ``env_id`` is the mixture of that one env, and draws exactly the tasks it drew
 before mixtures existed. Each step's ``batch_size`` groups are split over the envs by
 their weights at that step (:meth:`Mixture.quotas`)::
@@ -51,6 +51,12 @@ class EnvSpec:
         "[[step, weight], ...]: the weight at those steps, linear in between, the first "
         "before and the last after them; replaces weight.",
     )
+    max_new_tokens: int | None = option(
+        None, "Tokens per policy turn of this env (default: the run's)."
+    )
+    max_episode_tokens: int | None = option(
+        None, "Token budget per episode of this env (default: the run's)."
+    )
     max_turns: int | None = option(
         None, "Policy turns per episode of this env (default: the run's)."
     )
@@ -75,10 +81,18 @@ class EnvSpec:
                 f"increasing and steps and weights >= 0, got {self.schedule!r}"
             )
         self.schedule = points
-        if self.max_turns is not None and self.max_turns < 1:
-            raise InvalidOptionError(
-                f"env {self.name!r}: max_turns must be >= 1 (or none), got {self.max_turns}"
-            )
+        for key, value in self.limits().items():
+            if value < 1:
+                raise InvalidOptionError(
+                    f"env {self.name!r}: {key} must be >= 1 (or none), got {value}"
+                )
+
+    def limits(self) -> dict[str, int]:
+        """The turn and token limits this env sets for itself (``max_turns``,
+        ``max_new_tokens``, ``max_episode_tokens``), by the names the rollout and
+        evaluation configs give them; the others are the run's."""
+        names = ("max_turns", "max_new_tokens", "max_episode_tokens")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
     @classmethod
     def coerce(cls, item: Any, where: str = "config") -> EnvSpec:

@@ -202,12 +202,12 @@ def evaluate_mixture(
 ) -> EvalReport:
     """:func:`evaluate` on ``split`` of each env of ``mixture``
     (:class:`~agentenv.env.mixture.Mixture`), its first ``num_tasks`` tasks each, with the
-    env's own ``max_turns`` where it sets one; one env: that env's report, as
+    env's own turn and token limits where it sets them; one env: that env's report, as
     :func:`evaluate` gives it. Several: their reports pooled (see :class:`EvalReport`)."""
     config = config or EvalConfig()
     parts = {}
     for spec in mixture.specs:
-        cfg = config if spec.max_turns is None else replace(config, max_turns=spec.max_turns)
+        cfg = replace(config, **spec.limits())
         own = {**(about or {}), "env_id": spec.env_id, "env_kwargs": spec.env_kwargs}
         own.pop("envs", None)
         parts[spec.name] = evaluate(

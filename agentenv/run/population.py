@@ -234,7 +234,7 @@ def measure_fitness(
         rewards = []  # (mean reward, tasks) per env
         for env, split in splits.items():
             spec = mixture.specs[env]
-            own = cfg if spec.max_turns is None else replace(cfg, max_turns=spec.max_turns)
+            own = replace(cfg, **spec.limits())
             report = evaluate(
                 functools.partial(spec.make, "train"), policy, fmt, own,
                 show_progress=False, task_ids=split.validation,

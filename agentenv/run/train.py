@@ -147,6 +147,18 @@ def merge_sampling_metrics(parts: list[tuple[str, dict[str, float]]], group_size
     return out
 
 
+def env_limits(rollout: Any, limits: dict[str, int]) -> Any:
+    """``rollout`` (a :class:`~agentenv.rollout.config.RolloutConfig`) with an env's own
+    turn and token limits (:meth:`~agentenv.env.mixture.EnvSpec.limits`)."""
+    if not limits:
+        return rollout
+    sampling = rollout.sampling
+    if "max_new_tokens" in limits:
+        sampling = dataclasses.replace(sampling, max_new_tokens=limits["max_new_tokens"])
+    own = {k: v for k, v in limits.items() if k != "max_new_tokens"}
+    return dataclasses.replace(rollout, sampling=sampling, **own)
+
+
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2))
@@ -387,14 +399,12 @@ def train(
             drawn: list[tuple[int, list, list[dict]]] = []  # (env, groups, reset options)
 
             def draw(env: int, seeds: list[int]) -> tuple[list, dict]:
-                """Env ``env``'s groups of ``seeds`` (its own max_turns, sampling seed)."""
+                """Env ``env``'s groups of ``seeds`` (its own limits and sampling seed)."""
                 options, pool, split = None, pools.get(env), splits.get(env)
                 if split or pool:
                     options = split.training_options(seeds) if split else pool.options(seeds)
                 spec = mixture.specs[env]
-                env_rollout = rollout_cfg
-                if spec.max_turns is not None:
-                    env_rollout = dataclasses.replace(rollout_cfg, max_turns=spec.max_turns)
+                env_rollout = env_limits(rollout_cfg, spec.limits())
                 out = collect(
                     train_envs[env], seeds, policy, fmt, env_rollout, options=options,
                     sample_seed=mixture.sample_seed(sample_seed, env),

@@ -122,6 +122,7 @@ def test_envs_from_the_command_line_a_file_and_config_json_are_the_same():
         ({"envs": [{"env_id": "Calculator-v0", "wieght": 2}]}, "did you mean 'weight'"),
         ({"envs": [{"env_id": "Calculator-v0", "schedule": [[5, 1], [2, 0]]}]}, "steps increasing"),
         ({"envs": [{"env_id": "Calculator-v0", "weight": -1}]}, "weight must be >= 0"),
+        ({"envs": [{"env_id": "Calculator-v0", "max_new_tokens": 0}]}, "max_new_tokens must be"),
         ({"envs": ["a=Calculator-v0@x"]}, "must be a number"),
         ({"envs": ["a/b=Calculator-v0"]}, "without '/'"),
         (
@@ -185,7 +186,7 @@ def mix_config(model_dir, out, steps, **extra):
     return TrainConfig(
         envs=[
             {"env_id": "CoinCalculator-v0", "name": "coin", "weight": 2},
-            {"env_id": "Calculator-v0", "name": "calc", "max_turns": 2},
+            {"env_id": "Calculator-v0", "name": "calc", "max_turns": 2, "max_new_tokens": 6},
         ],
         model=model_dir,
         steps=steps,
@@ -201,9 +202,10 @@ def mix_config(model_dir, out, steps, **extra):
 
 
 def test_a_mixture_run_logs_each_envs_quota_episodes_and_metrics(tiny_model_dir, tmp_path):
-    """Weights 2:1 over 3 groups of 2: each step 2 coin groups (1 turn) and 1 calc group
-    (its own max_turns 2); the logged episodes carry their env; each env's reward mean is
-    that of its logged episodes; the pooled reward is the mean over all six."""
+    """Weights 2:1 over 3 groups of 2: each step 2 coin groups (1 turn of 4 tokens) and 1
+    calc group (its own max_turns 2 and turns of up to 6 tokens); the logged episodes carry
+    their env; each env's reward mean is that of its logged episodes; the pooled reward is
+    the mean over all six."""
     import coin_env  # noqa: F401  (registers CoinCalculator-v0: parity rewards)
 
     from agentenv.run.tracking import read_metrics
@@ -216,6 +218,8 @@ def test_a_mixture_run_logs_each_envs_quota_episodes_and_metrics(tiny_model_dir,
         assert [e["env"] for e in eps] == ["coin"] * 4 + ["calc"] * 2
         assert row["groups/coin"] == 2 and row["groups/calc"] == 1
         assert row["episodes/mean_turns/coin"] == 1
+        assert row["turns/policy_tokens_mean/coin"] == 4  # the run's max_new_tokens
+        assert 4 < row["turns/policy_tokens_mean/calc"] <= 6  # its own (random text: 6)
         assert {e["num_turns"] for e in eps if e["env"] == "calc"} <= {1, 2}
         for env in ("coin", "calc"):
             own = [e["reward"] for e in eps if e["env"] == env]
@@ -277,3 +281,27 @@ def test_a_population_on_a_mixture_measures_fitness_over_every_envs_slice(
             fitness = row[f"member{member}/fitness"]
             assert fitness in (0.0, 0.25, 0.5)
         assert row["member0/groups/coin"] == 2 and row["member1/groups/calc"] == 1
+
+
+def test_the_mixture_recipe_has_each_single_env_recipes_env_and_limits():
+    """examples/mixture_grpo.yaml: each env with the kwargs, turn and token limits of its
+    single-env recipe, 4 groups of each a step (as many episodes as the three together)."""
+    from pathlib import Path
+
+    import agentenv
+
+    examples = Path(__file__).parents[3] / "examples"
+    mix = TrainConfig.resolve(examples / "mixture_grpo.yaml", {})
+    singles = ["calculator_grpo", "rag_grpo", "workspace_grpo"]
+    for spec, name in zip(mix.envs, singles, strict=True):
+        one = TrainConfig.resolve(examples / f"{name}.yaml", {})
+        assert (spec.env_id, spec.env_kwargs) == (one.env_id, one.env_kwargs)
+        assert spec.limits() == {
+            "max_turns": one.rollout.max_turns,
+            "max_new_tokens": one.rollout.sampling.max_new_tokens,
+            "max_episode_tokens": one.rollout.max_episode_tokens,
+        }
+        assert (mix.steps, one.steps, one.batch_size) == (25, 25, 4)
+        agentenv.make(spec.env_id, **spec.env_kwargs).close()
+    assert mix.mixture().quotas(0, mix.batch_size) == [4, 4, 4]
+    assert mix.rollout.group_size == 8 and mix.grpo.learning_rate == 2e-4
