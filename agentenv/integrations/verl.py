@@ -36,8 +36,10 @@ registered as ``"agentenv"``, plays one agentenv episode that way::
   ``extra_fields["truncated"] = True``.
 * ``reward_score`` is the sum of the env's step rewards (verl writes it as ``rm_scores`` on
   the last response token, and its reward function is not consulted). Per-step rewards go to
-  ``extra_fields["turn_scores"]``. ``env.step`` runs in a thread (``asyncio.to_thread``),
-  never on verl's event loop.
+  ``extra_fields["turn_scores"]``, the env's per-turn rewards (``info["turn_reward"]``, e.g.
+  a conversation's score of each user turn; 0 where a step gives none) to
+  ``extra_fields["turn_rewards"]``, one per policy turn as in agentenv's ``Episode``.
+  ``env.step`` runs in a thread (``asyncio.to_thread``), never on verl's event loop.
 * An env whose ``step`` raises ends its episode (``stop_reason`` ``"env_error"``, the error
   in ``extra_fields["env_error"]``) with ``response_mask`` all 0: as in agentenv's GRPO, a
   failed episode teaches nothing. A bad row (unknown env id, no task) raises.
@@ -223,7 +225,7 @@ class AgentEnvAgentLoop(AgentLoopBase):
             text = await self._policy_turn(builder, progress, params, priority)
             t0 = time.perf_counter()
             try:
-                new, reward, terminated, truncated, _ = await asyncio.to_thread(env.step, text)
+                new, reward, terminated, truncated, info = await asyncio.to_thread(env.step, text)
             except Exception as exc:  # noqa: BLE001 - a failing env ends only its episode
                 progress.extra["env_error"] = f"{type(exc).__name__}: {exc}"
                 progress.stop_reason = "env_error"
@@ -231,6 +233,7 @@ class AgentEnvAgentLoop(AgentLoopBase):
             finally:
                 progress.metrics["tool_calls"] += time.perf_counter() - t0
             progress.scores.append(float(reward))
+            progress.turn_rewards.append(float(info.get("turn_reward", 0.0)))
             if terminated or truncated:
                 progress.stop_reason = "terminated" if terminated else "truncated"
             elif max_turns and builder.num_turns >= max_turns:
@@ -274,6 +277,7 @@ class AgentEnvAgentLoop(AgentLoopBase):
             mask = [0] * len(mask)  # a failed episode gives no gradient
         progress.extra.update(
             turn_scores=progress.scores,
+            turn_rewards=progress.turn_rewards,
             tool_rewards=[],
             stop_reason=progress.stop_reason,
             truncated=progress.stop_reason == "max_tokens",
@@ -298,6 +302,7 @@ class _Progress:
     request_id: str  # one per episode: verl's load balancer keeps it on one server
     stop_reason: str = ""
     scores: list[float] = field(default_factory=list)  # the env's reward of each step
+    turn_rewards: list[float] = field(default_factory=list)  # info["turn_reward"] of each
     env_turns: int = 0
     logprobs: bool = False  # the server returned log-probs
     extra: dict[str, Any] = field(default_factory=dict)

@@ -146,8 +146,9 @@ class TrainConfig(CommandConfig):
     )
     profile: str | None = option(
         None,
-        "conservative | balanced | aggressive: a bundle of GRPO settings (LR, clip, KL, "
-        "entropy; see agentenv.run.profiles) under --config and flags, which still win.",
+        "conservative | balanced | aggressive | multi-step: a bundle of settings (LR, clip, "
+        "KL, entropy; multi-step: credit, batch and group size; see agentenv.run.profiles) "
+        "under --config and flags, which still win.",
     )
     steps: int = option(20, "GRPO steps (one batch of B x G episodes each).")
     batch_size: int = option(4, "Tasks per step (B).")

@@ -1,4 +1,4 @@
-"""``--profile``: documented bundles of GRPO settings for ``agentenv train``.
+"""``--profile``: documented bundles of settings for ``agentenv train``.
 
 A profile is a layer of settings between the defaults and ``--config FILE`` / flags, so
 anything given explicitly still wins; the run's ``config.json`` records the values that
@@ -13,6 +13,13 @@ small models:
 * ``aggressive``: LR 1e-4, clip-higher (0.2 / 0.28), no KL, a small entropy bonus
   (0.001) against collapse, and two optimizer steps per batch (clipped): fast
   movement for short runs; watch ``clip_ratio/*`` and ``entropy``.
+* ``multi-step``: the setting recommended for envs whose answer takes several dependent
+  tool calls (docs/training.md#multi-step-envs): ``gae`` credit (a critic over turns, with
+  the env's per-turn rewards at the default ``turn_weight`` 1) reading the sampler's
+  hidden states (``critic_input: sampler``, no extra forward), and each step spread over
+  8 tasks x 4 samples instead of 4 x 8 (the critic, not the group, is the baseline). It
+  sets ``batch_size`` and ``rollout.group_size``, so a ``--config`` file that sets them
+  overrides it there.
 """
 
 from __future__ import annotations
@@ -56,6 +63,11 @@ PROFILES: dict[str, dict[str, Any]] = {
             "num_iterations": 2,
             "max_grad_norm": 1.0,
         },
+    },
+    "multi-step": {
+        "batch_size": 8,
+        "rollout": {"group_size": 4},
+        "grpo": {"credit": "gae", "critic_input": "sampler"},
     },
 }
 

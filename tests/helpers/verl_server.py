@@ -73,16 +73,18 @@ def tiny_policy() -> Any:
 
 
 def demonstration_policy(env_id: str, env_kwargs: dict[str, Any], task_id: int) -> Any:
-    """A ``ScriptedPolicy`` that plays the task's demonstration: the tool call on its first
-    turn, the answer on the next (the prompt then holds two ChatML assistant openings)."""
+    """A ``ScriptedPolicy`` that plays train task ``task_id``'s demonstration: its k-th
+    action on the turn whose prompt holds k ChatML assistant openings (a tool call, then the
+    answer; a conversation's actions across its user turns)."""
     from agentenv import make
     from agentenv.lm.models import load_tokenizer
     from agentenv.rollout.collect import ScriptedPolicy
 
-    inner = make(env_id, **env_kwargs).unwrapped
-    call, answer = inner.demonstration(inner.get_task(task_id))
+    env = make(env_id, **env_kwargs)
+    env.reset(options={"task_id": task_id})  # a stateful env's demonstration reads its state
+    actions = list(env.unwrapped.demonstration(env.unwrapped.task))
 
     def respond(prompt: str) -> str:
-        return answer if prompt.count("<|im_start|>assistant") > 1 else call
+        return actions[prompt.count("<|im_start|>assistant") - 1]
 
     return ScriptedPolicy(load_tokenizer(), respond)

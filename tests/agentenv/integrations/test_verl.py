@@ -90,7 +90,9 @@ def model_dir(tokenizer, tmp_path_factory):
     return path
 
 
-def verl_worker(server, model_dir, tmp_path, *, response_length=128, max_new_tokens=None):
+def verl_worker(
+    server, model_dir, tmp_path, *, response_length=128, max_new_tokens=None, prompt_length=512
+):
     """verl's ``AgentLoopWorker`` (in this process) on verl's generated trainer config,
     loading the agent loop YAML that ``write_agent_loop_config`` writes."""
     import verl
@@ -100,7 +102,7 @@ def verl_worker(server, model_dir, tmp_path, *, response_length=128, max_new_tok
     config.actor_rollout_ref.model.path = str(model_dir)
     rollout = config.actor_rollout_ref.rollout
     rollout.name = "vllm"
-    config.data.max_prompt_length = 512
+    config.data.max_prompt_length = prompt_length
     config.data.max_response_length = response_length
     yaml = tmp_path / "agentenv_agent.yaml"
     agentenv_verl.write_agent_loop_config(yaml, max_new_tokens=max_new_tokens)
@@ -141,8 +143,9 @@ def unpadded(out, i):
 def agentenv_episode(policy, tokenizer, row, response_length, max_new_tokens=256):
     """The same task through agentenv's own ``collect``, greedy, same token budget."""
     extra = row["extra_info"]
+    env_id, kwargs = extra["env_id"], agentenv_verl.EpisodeSpec.from_row(extra).env_kwargs
     fmt = ChatFormat(tokenizer)
-    env = make("Calculator-v0", **CALC)
+    env = make(env_id, **kwargs)
     prompt = fmt.prompt_ids(env.reset(options={"task_id": extra["task_id"]})[0])
     config = RolloutConfig(
         group_size=1,
@@ -152,7 +155,7 @@ def agentenv_episode(policy, tokenizer, row, response_length, max_new_tokens=256
         show_progress=False,
     )
     options = [{"task_id": extra["task_id"]}]
-    groups, _ = collect(lambda: make("Calculator-v0", **CALC), [None], policy, fmt, config,
+    groups, _ = collect(lambda: make(env_id, **kwargs), [None], policy, fmt, config,
                         options=options)  # fmt: skip
     return groups[0][0], len(prompt)
 
@@ -259,6 +262,38 @@ def test_demonstration_earns_the_envs_reward(server, model_dir, tmp_path, tokeni
     assert (
         tool_turn == f"\n<|im_start|>tool\n{result['content']}<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_a_bfcl_conversation_runs_in_verls_worker(server, model_dir, tmp_path, tokenizer):
+    """BFCL-v0 (a ConversationEnv with stateful tools) in verl's worker, playing train task
+    0's ground truth: the tokens and masks of agentenv's own episode, each follow-up user
+    message an env turn (mask 0), BFCL's verdict of each user turn in turn_rewards, reward 1."""
+    pytest.importorskip("bfcl_eval", reason="bfcl-eval is not installed (install.sh does)")
+    ray.get(server[0].set_policy.remote(lambda: demonstration_policy("BFCL-v0", {}, 0)))
+    try:
+        worker, _ = verl_worker(
+            server, model_dir, tmp_path, response_length=3072, prompt_length=1536
+        )
+        row = agentenv_verl.dataset_rows("BFCL-v0", num_tasks=1, max_turns=40)[0]
+        out = verl_rollout(worker, tokenizer, [row], tmp_path)
+    finally:
+        ray.get(server[0].set_policy.remote(tiny_policy))
+    episode, n_prompt = agentenv_episode(
+        demonstration_policy("BFCL-v0", {}, 0), tokenizer, row, 3072
+    )
+    prompt, response, mask, _, reward = unpadded(out, 0)
+    assert prompt + response == episode.input_ids and mask == episode.action_mask[n_prompt:]
+    assert reward == episode.reward == 1.0
+    follow_ups = make("BFCL-v0").unwrapped.get_task(0).metadata["user_turns"]
+    assert len(follow_ups) >= 1
+    fields = out.non_tensor_batch
+    assert fields["stop_reason"][0] == episode.stop_reason == "terminated"
+    assert fields["turn_scores"][0] == episode.step_rewards  # 1 at the end: the outcome
+    assert fields["turn_rewards"][0] == episode.turn_rewards  # BFCL's verdict per user turn
+    assert episode.turn_rewards.count(1.0) == 1 + len(follow_ups)
+    env_text = tokenizer.decode([t for t, m in zip(response, mask, strict=True) if m == 0])
+    for message in follow_ups:  # each later user turn reached the model as a user message
+        assert f"<|im_start|>user\n{message}<|im_end|>" in env_text
 
 
 def test_a_bad_row_names_the_fix(server, model_dir, tmp_path, tokenizer):

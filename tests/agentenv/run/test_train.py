@@ -390,7 +390,18 @@ def test_profiles_sit_under_the_config_file_and_flags(tmp_path, capsys):
     assert filed.grpo.beta == 0.1 and filed.grpo.epsilon_high == 0.28  # file over profile
     for name, bundle in PROFILES.items():  # every bundle is a valid config
         assert TrainConfig.resolve(None, {"profile": name}).profile == name
-        assert set(bundle) <= {"rollout", "grpo"}
+        assert set(bundle) <= {"batch_size", "rollout", "grpo"}
+    multi = TrainConfig.resolve(None, {"profile": "multi-step"})
+    assert (multi.batch_size, multi.rollout.group_size) == (8, 4)
+    assert (multi.grpo.credit, multi.grpo.critic_input, multi.grpo.turn_reward_weight) == (
+        "gae",
+        "sampler",
+        1.0,
+    )
+    path.write_text("profile: multi-step\nbatch_size: 4\n")  # a recipe's own batch wins
+    assert TrainConfig.resolve(path, {}).batch_size == 4
+    with pytest.raises(InvalidOptionError, match="critic_input='sampler' with engine vllm"):
+        TrainConfig.resolve(None, {"profile": "multi-step", "generation": {"engine": "vllm"}})
     with pytest.raises(InvalidOptionError, match="'aggressive', 'balanced', 'conservative'"):
         TrainConfig.resolve(None, {"profile": "wild"})
     assert main(["train", "--profile", "wild"]) == 2  # before any model loads
