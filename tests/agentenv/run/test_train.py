@@ -400,6 +400,12 @@ def test_profiles_sit_under_the_config_file_and_flags(tmp_path, capsys):
     )
     path.write_text("profile: multi-step\nbatch_size: 4\n")  # a recipe's own batch wins
     assert TrainConfig.resolve(path, {}).batch_size == 4
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    for recipe in ("rag_bridge_grpo", "calculator_grpo", "calculator_prices_grpo"):
+        spread = TrainConfig.resolve(examples / f"{recipe}.yaml", {"profile": "multi-step"})
+        assert (spread.batch_size, spread.rollout.group_size) == (8, 4), recipe  # as documented
+        plain = TrainConfig.resolve(examples / f"{recipe}.yaml", {})
+        assert (plain.batch_size, plain.rollout.group_size, plain.grpo.credit) == (4, 8, "bandit")
     with pytest.raises(InvalidOptionError, match="critic_input='sampler' with engine vllm"):
         TrainConfig.resolve(None, {"profile": "multi-step", "generation": {"engine": "vllm"}})
     with pytest.raises(InvalidOptionError, match="'aggressive', 'balanced', 'conservative'"):
