@@ -14,7 +14,8 @@ small models:
   (0.001) against collapse, and two optimizer steps per batch (clipped): fast
   movement for short runs; watch ``clip_ratio/*`` and ``entropy``.
 * ``multi-step``: the setting recommended for envs whose answer takes several dependent
-  tool calls (docs/training.md#multi-step-envs): ``gae`` credit (a critic over turns, with
+  tool calls and that pay per-turn rewards (``info["turn_reward"]``;
+  docs/training.md#multi-step-envs): ``gae`` credit (a critic over turns, with
   the env's per-turn rewards at the default ``turn_weight`` 1) reading the sampler's
   hidden states (``critic_input: sampler``, no extra forward), and each step spread over
   8 tasks x 4 samples instead of 4 x 8 (the critic, not the group, is the baseline). It
