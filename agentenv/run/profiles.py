@@ -13,8 +13,8 @@ small models:
 * ``aggressive``: LR 1e-4, clip-higher (0.2 / 0.28), no KL, a small entropy bonus
   (0.001) against collapse, and two optimizer steps per batch (clipped): fast
   movement for short runs; watch ``clip_ratio/*`` and ``entropy``.
-* ``multi-step``: the setting recommended for envs whose answer takes several dependent
-  tool calls and that pay per-turn rewards (``info["turn_reward"]``;
+* ``multi-step``: the best setting measured for envs whose answer takes several dependent
+  tool calls and that pay per-turn rewards (``info["turn_reward"]``; where it failed:
   docs/training.md#multi-step-envs): ``gae`` credit (a critic over turns, with
   the env's per-turn rewards at the default ``turn_weight`` 1) reading the sampler's
   hidden states (``critic_input: sampler``, no extra forward), and each step spread over
