@@ -25,6 +25,7 @@ REFERENCE_ADAPTER = "reference"  # the frozen copy of a warm-started adapter
 REWARD_COMBINATIONS = ("weighted", "uniform", "std", "pca", "l2")
 CREDITS = ("bandit", "turn", "gae")
 TURN_BASELINES = ("group", "loo")  # credit=turn: the baseline of a turn's return
+TURN_REWARDS_WHEN = ("always", "terminated")  # whose per-turn rewards count
 CRITIC_INPUTS = ("learner", "sampler")  # where credit=gae's critic reads its hidden states
 VALUE_LR = 1e-3  # the critic's AdamW LR: a linear head on fixed features learns fast
 
@@ -197,6 +198,14 @@ class GRPOConfig(TrainerConfig):
         "and gae, 0 under bandit (the outcome alone). gae with 0: the critic without "
         "shaping.",
     )
+    turn_rewards_when: str = option(
+        "always",
+        "Which episodes' per-turn rewards count (under every credit that reads them). "
+        "always: every episode's. terminated: only those the env ended itself (an answer; "
+        "Episode.stop_reason 'terminated'), not those cut at max_turns or the token limit: "
+        "gathering facts without ever answering then earns nothing, so the shaping cannot "
+        "teach the policy to stop answering.",
+    )
     turn_baseline: str = option(
         "group",
         "credit=turn: what a turn's return is compared with. group: the mean of every turn "
@@ -276,6 +285,7 @@ class GRPOConfig(TrainerConfig):
             "credit": CREDITS,
             "critic_input": CRITIC_INPUTS,
             "turn_baseline": TURN_BASELINES,
+            "turn_rewards_when": TURN_REWARDS_WHEN,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

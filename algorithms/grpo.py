@@ -43,6 +43,9 @@ Design decisions:
   ``turn``. ``bandit`` with a ``turn_weight`` adds the weighted per-turn rewards to each
   episode's reward instead (the shaping without the turn credit,
   :func:`~algorithms.losses.shaped_rewards`), so the two can be measured apart.
+  ``turn_rewards_when="terminated"`` counts an episode's per-turn rewards only if its env
+  ended it (``stop_reason == "terminated"``): one cut at ``max_turns`` that gathered facts
+  without answering then earns nothing from them (under any credit).
   ``gae`` asks a critic (:mod:`algorithms.critic`, a value head on the policy's hidden
   state before each turn, from one extra no-grad forward, or with
   ``critic_input="sampler"`` the states the sampler recorded) for each turn's value and gives
@@ -429,10 +432,19 @@ class GRPO(Trainer):
         rewards, stats = episode_rewards(
             episodes, env_rewards, self.config.reward_combination, global_sum, gather
         )
-        turn_rewards = [[_turns(ep)[1] for ep in group] for group in groups]
+        turn_rewards = [[self._turn_rewards(ep) for ep in group] for group in groups]
         shaped = shaped_rewards(rewards, turn_rewards, self._shaping_weight, self.config.turn_gamma)
         valid = ~torch.tensor([[_failed(ep) for ep in group] for group in groups])
         return rewards, stats, turn_rewards, shaped, valid
+
+    def _turn_rewards(self, episode: EpisodeLike) -> list[float]:
+        """An episode's per-turn rewards as they count: all 0 under ``turn_rewards_when=
+        "terminated"`` when the env did not end it (no ``stop_reason``: it did)."""
+        rewards = _turns(episode)[1]
+        stop = getattr(episode, "stop_reason", "terminated") or "terminated"
+        if self.config.turn_rewards_when == "terminated" and stop != "terminated":
+            return [0.0] * len(rewards)
+        return rewards
 
     def _no_signal(
         self,

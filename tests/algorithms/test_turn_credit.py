@@ -310,3 +310,47 @@ def test_bandit_shaping_trains_on_the_outcome_plus_the_weighted_turn_rewards(tok
     assert trainer.last_advantages[2].tolist() == [0.0, 0.0]
     assert metrics["rewards/mean"] == pytest.approx(0.5)  # the outcome, as logged elsewhere
     assert metrics["frac_reward_zero_std"] == pytest.approx(2 / 3)  # outcomes tie in 0 and 2
+
+
+def test_turn_rewards_when_terminated_counts_only_episodes_the_env_ended(tokenizer):
+    """bandit, turn_weight 1. Group 0: outcomes 0, 0 and per-turn rewards 0.5 each, but
+    member 1 ran out of turns: always ties (0.5, 0.5: no signal); terminated gives 0.5
+    and 0, so +-1 after the mean and std. Group 1: outcomes 1, 0 with member 1 cut at the
+    token limit after earning 1.0 of per-turn rewards: always 1.5 vs 1.0, terminated 1.5
+    vs 0. An episode without a stop_reason (or an empty one) counts as ended by its env."""
+    from agentenv.lm.models import tiny_model as build
+
+    groups = two_turn_groups([[0, 0], [1, 0]], [[[0.5, 0], [0, 0.5]], [[0.5, 0], [0.5, 0.5]]])
+    groups[0][0].stop_reason = ""
+    groups[0][1].stop_reason = "max_turns"
+    groups[1][0].stop_reason = "terminated"
+    groups[1][1].stop_reason = "max_tokens"
+
+    def mean_std(values: list[float]) -> torch.Tensor:
+        r = torch.tensor(values)
+        return (r - r.mean()) / (r.std(correction=0) + 1e-4)
+
+    always = GRPO(build(tokenizer), tokenizer, config(turn_weight=1.0), sampling=SAMPLING)
+    assert always.group_signal(groups) == [False, True]
+    always.learn(groups)
+    assert always.last_advantages[0].tolist() == [0.0, 0.0]
+    assert torch.equal(always.last_advantages[1], mean_std([1.5, 1.0]))
+
+    cfg = config(turn_weight=1.0, turn_rewards_when="terminated")
+    terminated = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    assert terminated.group_signal(groups) == [True, True]
+    metrics = terminated.learn(groups)
+    assert torch.equal(terminated.last_advantages[0], mean_std([0.5, 0.0]))
+    assert torch.equal(terminated.last_advantages[1], mean_std([1.5, 0.0]))
+    assert metrics["rewards/mean"] == pytest.approx(0.25)  # the outcome, as logged elsewhere
+
+    # turn credit: the cut member's turns return 0 and 0, the ended one's 0.5 and 0
+    cfg = config(credit="turn", turn_rewards_when="terminated", advantage_norm="mean_only")
+    turn = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    turn.learn(groups[:1])
+    assert turn.last_turn_advantages == [[0.375, -0.125], [-0.125, -0.125]]
+
+
+def test_turn_rewards_when_names_its_choices():
+    with pytest.raises(InvalidOptionError, match=r"turn_rewards_when must be one of.*'sometimes'"):
+        config(turn_rewards_when="sometimes")
