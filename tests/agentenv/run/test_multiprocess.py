@@ -51,9 +51,21 @@ def accelerate_launch(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-def test_a_batch_that_two_processes_cannot_split_evenly_is_refused(tiny_model_dir, tmp_path):
-    proc = launch(2, tmp_path / "odd", tiny_model_dir, "--steps", "1", "--batch-size", "3")
-    assert proc.returncode != 0 and "multiple of the 2 processes" in proc.stderr
+def test_a_batch_that_two_processes_cannot_split_evenly_is_refused(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """Under the WORLD_SIZE and RANK a launcher sets (accelerate launch, torchrun), before
+    any model loads: so one process shows it (no launch needed)."""
+    from agentenv.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    args = ["train", "--model", tiny_model_dir, "--steps", "1", "--batch-size", "3"]
+    assert main([*args, "--output-dir", str(tmp_path / "odd")]) == 2
+    err = capsys.readouterr().err
+    assert "batch_size=3 must be a multiple of the 2 processes" in err
+    assert "set batch_size to 4" in err
+    assert not (tmp_path / "odd").exists()  # nothing written
 
 
 def logged_groups(run: Path, step: int, seeds: set[int]) -> list[list[Episode]]:
@@ -214,41 +226,35 @@ def test_sharding_the_sampler_or_checkpoints_cannot_gather_is_refused_before_loa
         check_sharding({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
 
 
-def test_a_population_trains_on_two_processes(tiny_model_dir, tmp_path):
+def test_a_population_with_dynamic_sampling_trains_on_two_processes(tiny_model_dir, tmp_path):
     """Every process holds every member and trains each on its share of the tasks; the
     main process measures the fitness and broadcasts it, so both carry out the same
     evolution (a process without the values would fail) and the checkpoint holds every
-    member."""
+    member. Each process also fills its own share of the batch by dynamic sampling; the
+    rounds (which hold collectives) go on while either needs one, so a process that is
+    full waits in them: a disagreement would hang the launch. Parity rewards with G = 2
+    tie half the time, so rounds happen."""
     out = tmp_path / "pop"
     args = ("coin_env:CoinCalculator-v0", "--batch-size", "4", "--learning-rate", "1e-2")
     args += ("--population", "2", "--evolve-every", "1", "--validation-tasks", "2")
     args += ("--mutation-prob", "1", "--dtype", "float32")
-    proc = launch(2, out, tiny_model_dir, *args, "--steps", "2")
+    args += ("--dynamic-sampling", "--max-extra-tasks", "1")
+    proc = launch(2, out, tiny_model_dir, *args, "--steps", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"run directory: {out}" in proc.stdout
     lineage = [json.loads(line) for line in (out / "lineage.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lineage] == [1] and len(lineage[0]["children"]) == 2
-    state = json.loads((out / "checkpoints/step_000002/population.json").read_text())
-    assert [len(m["fitness"]) for m in state["members"]] == [2, 2]
+    assert [r["step"] for r in lineage] == [1, 2] and len(lineage[0]["children"]) == 2
+    state = json.loads((out / "checkpoints/step_000003/population.json").read_text())
+    assert [len(m["fitness"]) for m in state["members"]] == [3, 3]
     for member in ("member_0", "member_1"):
-        assert (out / "checkpoints/step_000002" / member / "adapter").is_dir()
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()] == [1, 2]
-
-
-def test_dynamic_sampling_on_two_processes_agrees_on_its_rounds(tiny_model_dir, tmp_path):
-    """Each process fills its own share of the batch; the rounds (which hold collectives)
-    go on while either needs one, so a process that is full waits in them: a disagreement
-    would hang the launch. Parity rewards with G = 2 tie half the time, so rounds happen."""
-    out = tmp_path / "ds"
-    args = ("coin_env:CoinCalculator-v0", "--batch-size", "4", "--learning-rate", "1e-2")
-    args += ("--dynamic-sampling", "--max-extra-tasks", "1", "--dtype", "float32")
-    proc = launch(2, out, tiny_model_dir, *args, "--steps", "3")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (out / "checkpoints/step_000003" / member / "adapter").is_dir()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for row in rows:  # the main process's share: 2 tasks, at most 2 more
-        assert 2 <= row["sampling/tasks_drawn"] <= 4 and row["sampling/groups_trained"] <= 2
-    assert any(r["sampling/rounds"] > 0 for r in rows)
+    for row in rows:  # each member, the main process's share: 2 tasks, at most 2 more
+        for m in ("member0/", "member1/"):
+            assert 2 <= row[f"{m}sampling/tasks_drawn"] <= 4
+            assert row[f"{m}sampling/groups_trained"] <= 2
+    assert any(r[f"{m}sampling/rounds"] > 0 for r in rows for m in ("member0/", "member1/"))
 
 
 def test_a_mixture_on_two_processes_draws_the_episodes_of_one(tiny_model_dir, tmp_path):
