@@ -441,8 +441,8 @@ class GRPO(Trainer):
         """An episode's per-turn rewards as they count: all 0 under ``turn_rewards_when=
         "terminated"`` when the env did not end it (no ``stop_reason``: it did)."""
         rewards = _turns(episode)[1]
-        stop = getattr(episode, "stop_reason", "terminated") or "terminated"
-        if self.config.turn_rewards_when == "terminated" and stop != "terminated":
+        cut = getattr(episode, "stop_reason", "") not in ("", "terminated")
+        if self.config.turn_rewards_when == "terminated" and cut:
             return [0.0] * len(rewards)
         return rewards
 
