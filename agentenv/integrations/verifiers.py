@@ -23,7 +23,10 @@ one of each); verifiers loads plugins by a top-level module name, which is
   Tool results are sent as ``user`` messages: they answer text tool calls, not
   OpenAI-style ``tool_calls`` with ids, which a server's template may refuse.
 * :class:`AgentEnvTask` scores the rollout with the env's own rewards (``env_reward``,
-  weight 1) and reports ``correct``, ``env_turns`` and ``num_tool_calls`` as metrics.
+  weight 1) and reports ``correct``, ``env_turns`` and ``num_tool_calls`` as metrics; the
+  trace's ``info["turn_rewards"]`` holds the env's per-turn rewards (``info["turn_reward"]``,
+  0.0 where none), one per model reply. A :class:`~agentenv.ConversationEnv`'s follow-up
+  user turns arrive as the next turn's ``user`` message, like tool results.
 * :class:`ChatHarness` calls the model in-process with the OpenAI client, so no rollout
   needs a sandbox, ``uv`` or the network (verifiers' built-in harnesses install ``uv``
   and their packages at run time). Every call still goes through verifiers' endpoint.
@@ -168,6 +171,7 @@ class AgentEnvEnv(vf.Env[AgentEnvEnvConfig]):
         try:
             await asyncio.to_thread(env.reset, options={"task_id": task.data.task_id})
             total, turns, info = 0.0, 0, {}
+            turn_rewards: list[float] = []  # info["turn_reward"] of each reply, as in Episode
             async with agents.agent.interaction(task) as interaction:
                 segment = await interaction.turn()  # the task has a prompt: the model starts
                 while not segment.terminated:
@@ -177,6 +181,7 @@ class AgentEnvEnv(vf.Env[AgentEnvEnvConfig]):
                     )
                     total += float(reward)
                     turns += 1
+                    turn_rewards.append(float(info.get("turn_reward", 0.0)))
                     if terminated or truncated:
                         break
                     replies = [{"role": "user", "content": m["content"]} for m in new]
@@ -184,6 +189,7 @@ class AgentEnvEnv(vf.Env[AgentEnvEnvConfig]):
                 interaction.trace.info.update(
                     env_reward=total,
                     env_turns=turns,
+                    turn_rewards=turn_rewards,
                     correct=bool(info.get("correct", False)),
                     num_tool_calls=int(info.get("num_tool_calls", 0)),
                 )

@@ -1,9 +1,10 @@
 """agentenv envs through verifiers' own loader and rollouts, against a real local server.
 
 The server is ``transformers serve`` (an OpenAI-compatible HTTP server) on 127.0.0.1,
-serving a tiny model that learned one Calculator solution by heart (tests/helpers/
-memorized.py): verifiers' harness calls it, the env runs the calculator, and the reward
-is the env's.
+serving tiny models that learned one episode by heart (tests/helpers/memorized.py): a
+Calculator solution, and a Tally-v0 conversation (two user turns over a stateful tool,
+tests/helpers/tally_env.py). verifiers' harness calls the model, the env runs the tools
+and the user's follow-up, and the reward is the env's.
 """
 
 import asyncio
@@ -37,13 +38,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load(num_tasks: int = 1, max_turns: int = 5):
+def _load(num_tasks: int = 1, max_turns: int = 5, env_id="Calculator-v0", env_kwargs=CALC):
     config = AgentEnvEnvConfig(
         taskset={
             "id": TASKSET,
-            "env_id": "Calculator-v0",
+            "env_id": env_id,
             "num_tasks": num_tasks,
-            "env_kwargs": CALC,
+            "env_kwargs": env_kwargs,
         },
         agent={"max_turns": max_turns},
     )
@@ -61,11 +62,29 @@ def test_verifiers_loads_the_plugin_and_its_tasks_are_the_envs():
         assert task.data.prompt == row["prompt"][1]["content"]
 
 
-@pytest.fixture(scope="module")
-def served_model(tokenizer, tmp_path_factory):
-    """``transformers serve`` on a free local port with a model that solves test task 0."""
+def _memorized_folder(tokenizer, folder, env, task_id: int):
+    """A tiny model that plays ``env``'s demonstration of task ``task_id`` (tool results
+    and follow-ups as user messages, as AgentEnvEnv sends them), saved in ``folder``."""
     from agentenv.rollout.episode import ChatFormat
 
+    opening, _ = env.reset(options={"task_id": task_id})
+    chat = list(opening)
+    for action in env.unwrapped.demonstration(env.unwrapped.task):
+        new, *_ = env.step(action)
+        chat.append({"role": "assistant", "content": action})
+        chat += [{"role": "user", "content": m["content"]} for m in new]
+    fmt = ChatFormat(tokenizer)
+    prompt = fmt.render(opening, add_generation_prompt=True)
+    model = memorize(tokenizer, fmt.render(chat), prompt)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder), chat
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``transformers serve`` on a free local port; it loads each request's model (a
+    folder) on demand."""
     exe = console_script("transformers")
     if exe is None:
         pytest.skip("the `transformers` command is not installed (beside python or on PATH)")
@@ -73,26 +92,10 @@ def served_model(tokenizer, tmp_path_factory):
         import fastapi  # noqa: F401
     except ImportError:
         pytest.skip("transformers serve needs fastapi: pip install 'agentenv[verifiers]'")
-    env = make("Calculator-v0", split="test", **CALC)
-    opening, _ = env.reset(options={"task_id": 0})
-    call, answer = env.unwrapped.demonstration(env.unwrapped.task)
-    result, *_ = env.step(call)
-    fmt = ChatFormat(tokenizer)
-    prompt = fmt.render(opening, add_generation_prompt=True)
-    chat = [
-        *opening,
-        {"role": "assistant", "content": call},
-        {"role": "user", "content": result[0]["content"]},
-        {"role": "assistant", "content": answer},
-    ]
-    model = memorize(tokenizer, fmt.render(chat), prompt)
-    folder = tmp_path_factory.mktemp("served") / "model"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     port = _free_port()
-    log = open(folder.parent / "serve.log", "w")  # noqa: SIM115 - closed below
-    command = [exe, "serve", str(folder), "--device", "cpu"]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
+    path = tmp_path_factory.mktemp("served") / "serve.log"
+    log = open(path, "w")  # noqa: SIM115 - closed below
+    command = [exe, "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(
         command,
         stdout=log,
@@ -108,14 +111,31 @@ def served_model(tokenizer, tmp_path_factory):
             except OSError:
                 if server.poll() is not None or time.time() > deadline:
                     log.flush()
-                    text = (folder.parent / "serve.log").read_text()[-2000:]
-                    pytest.fail(f"transformers serve did not start:\n{text}")
+                    pytest.fail(f"transformers serve did not start:\n{path.read_text()[-2000:]}")
                 time.sleep(0.5)
-        yield {"url": f"http://127.0.0.1:{port}/v1", "model": str(folder), "answer": answer}
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def served_model(server, tokenizer, tmp_path_factory):
+    """A served model that solves Calculator test task 0 (a call, then the answer)."""
+    env = make("Calculator-v0", split="test", **CALC)
+    folder, chat = _memorized_folder(tokenizer, tmp_path_factory.mktemp("calc"), env, 0)
+    return {"url": server, "model": folder, "answer": chat[-1]["content"]}
+
+
+@pytest.fixture(scope="module")
+def served_tally(server, tokenizer, tmp_path_factory):
+    """A served model that plays Tally-v0 task 0, a conversation (tests/helpers/tally_env.py)."""
+    import tally_env  # noqa: F401 - registers Tally-v0
+
+    env = make("Tally-v0")
+    folder, chat = _memorized_folder(tokenizer, tmp_path_factory.mktemp("tally"), env, 0)
+    return {"url": server, "model": folder, "chat": chat}
 
 
 def _rollouts(env, served, n: int):
@@ -146,6 +166,22 @@ def test_verifiers_rollouts_against_a_served_model_are_scored_by_the_env(served_
         assert roles == ["system", "user", "assistant", "user", "assistant"]
         assert "<tool_call>" in trace.messages[2].content  # the model's own call
         assert trace.messages[-1].content.strip() == served_model["answer"]
+
+
+def test_a_conversation_through_verifiers_follows_up_on_the_state_it_left(served_tally):
+    """Tally-v0: the user's second turn arrives as the next user message, and the answer to
+    it is right only if the first turn's addition is still in the episode's tally."""
+    env = _load(max_turns=6, env_id="tally_env:Tally-v0", env_kwargs={})
+    (trace,) = _rollouts(env, served_tally, n=1)
+    assert trace.ok, trace.errors
+    roles = [m.role for m in trace.messages]
+    assert roles == ["system", "user", *["assistant", "user"] * 3, "assistant"]
+    contents = [m.content.strip() for m in trace.messages[1:]]
+    assert contents == [m["content"] for m in served_tally["chat"][1:]]
+    assert contents[4] == "Add 3 more." and contents[6] == "tally: 5"  # 2 + 3: state kept
+    assert trace.reward == 1.0 and trace.metrics["correct"] == 1.0
+    assert trace.metrics["env_turns"] == 4.0 and trace.metrics["num_tool_calls"] == 2.0
+    assert trace.info["turn_rewards"] == [0.0, 1.0, 0.0, 1.0]  # each user turn's score
 
 
 def test_the_agents_max_turns_ends_a_rollout_the_env_has_not(served_model):
