@@ -98,11 +98,22 @@ DEMO_DEFAULTS = {"env_id": "Calculator-v0", "env_kwargs": {}, "max_new_tokens": 
 def _demo_settings(args: argparse.Namespace) -> None:
     """Fill in ``demo``'s settings not given: from what ``--adapter``'s run trained with
     (saying so in one line), else the defaults. A bad ``--adapter`` fails here."""
-    from agentenv.run.recorded import check_checkpoint, recorded_note, recorded_run, take_recorded
+    from agentenv.run.recorded import (
+        check_checkpoint,
+        one_env_record,
+        recorded_note,
+        recorded_run,
+        take_recorded,
+    )
 
     check_checkpoint(args.adapter, "--adapter")
     found = recorded_run(args.adapter) if args.adapter else None
     if found is not None:
+        record, chosen = one_env_record(found[0], args.env_id)
+        if chosen:  # a mixture: one of its envs (ENV_ID may have named it)
+            args.env_id = None
+            print(chosen, file=sys.stderr)
+        found = (record, found[1])
         names = ("env_id", "env_kwargs", "max_turns", "max_new_tokens")
         given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
         given["max_episode_tokens"] = None  # demo has no episode budget

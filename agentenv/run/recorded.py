@@ -127,6 +127,38 @@ def take_recorded(record: dict[str, Any], given: dict[str, Any]) -> dict[str, An
     return taken
 
 
+def one_env_record(record: dict[str, Any], env_id: str | None) -> tuple[dict[str, Any], str]:
+    """A mixture's record (``envs``) as the record of one of its envs, for a command that
+    runs one env (``demo``): the member whose name or env id is ``env_id``, else the
+    first; its own turn and token limits win over the run's. Returns the record and a
+    line naming the choice ("" where ``record`` is no mixture, or ``env_id`` is none of
+    its envs: then the record goes through unchanged)."""
+    envs = record.get("envs") or []
+    if not envs:
+        return record, ""
+    names = [e.get("name") or env_name(e["env_id"]) for e in envs]
+    if env_id is None:
+        member = envs[0]
+    else:
+        matches = [
+            e
+            for e, name in zip(envs, names, strict=True)
+            if env_id == name or env_name(env_id) == env_name(e["env_id"])
+        ]
+        if not matches:
+            return record, ""
+        member = matches[0]
+    one = {k: v for k, v in record.items() if k != "envs"}
+    one.update(env_id=member["env_id"], env_kwargs=member.get("env_kwargs") or {})
+    one.update({k: member[k] for k in ROLLOUT_SETTINGS if member.get(k) is not None})
+    shown = names[envs.index(member)]
+    others = [n for n in names if n != shown]
+    line = f"note: the checkpoint trained on a mixture ({', '.join(names)}); this plays {shown}"
+    if others:
+        line += f" (name another, e.g. `{others[0]}`, as ENV_ID)"
+    return one, line
+
+
 def recorded_note(checkpoint: str | Path, taken: dict[str, Any], source: Path, env_id: str) -> str:
     """The one line saying which settings a command took from ``checkpoint``'s run
     (``env_id``: the env the command runs)."""

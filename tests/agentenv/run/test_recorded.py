@@ -170,6 +170,41 @@ def test_demo_with_an_adapter_plays_the_env_it_trained_on(
     assert played == {"source": "word_problems", "max_steps": 1, "tokens": 4}
 
 
+def test_demo_of_a_mixture_checkpoint_plays_one_of_its_envs(
+    checkpoint, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """Before, a mixture's checkpoint played the default Calculator task set (gsm_symbolic)."""
+    import shutil
+
+    from agentenv.env import play
+
+    mixture = tmp_path / "mixture"
+    shutil.copytree(checkpoint, mixture)
+    envs = [
+        {"name": "wp", "env_id": "Calculator-v0", "env_kwargs": ENV, "max_turns": 2},
+        {"name": "prices", "env_id": "Calculator-v0", "env_kwargs": {"source": "prices"}},
+    ]
+    record = {"env_id": "Calculator-v0", "envs": envs, "max_turns": 5, "max_new_tokens": 4}
+    (mixture / "run.json").write_text(json.dumps(record))
+    played = {}
+
+    def fake_play(env, policy, *, seed=None, max_steps=100):
+        played.update(source=env.source, max_steps=max_steps, tokens=policy.max_new_tokens)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(play, "play_episode", fake_play)
+    flags = ["--model", tiny_model_dir, "--adapter", str(mixture)]
+    with pytest.raises(SystemExit):
+        main(["demo", *flags])
+    err = capsys.readouterr().err
+    assert "trained on a mixture (wp, prices); this plays wp (name another, e.g. `prices`" in err
+    assert played == {"source": "word_problems", "max_steps": 2, "tokens": 4}  # its own turns
+    with pytest.raises(SystemExit):
+        main(["demo", "prices", *flags])
+    assert "this plays prices" in capsys.readouterr().err
+    assert played == {"source": "prices", "max_steps": 5, "tokens": 4}  # the run's turns
+
+
 def test_export_says_which_env_the_checkpoint_trained_on(checkpoint, tmp_path, capsys):
     out = tmp_path / "exported"
     assert main(["export", str(checkpoint), str(out)]) == 0
