@@ -11,7 +11,9 @@ from the task (``task.metadata["user_turns"]``: the messages after ``task.prompt
 from a callable ``user(task, messages)`` that sees the conversation so far and returns
 the next message (or None to end it): a scripted or simulated user.
 
-``info["user_turn"]`` is the user turn the next action works on (0: ``task.prompt``).
+``info["user_turn"]`` is the user turn the next action works on (0: ``task.prompt``);
+``info["turns_correct"]`` counts the turns answered correctly so far and
+``info["user_turns"]`` the task's user turns (``agentenv eval``'s ``turn_accuracy``).
 ``max_turns`` counts the agent's actions over the whole conversation; past it the episode
 is truncated with reward 0 (the turns already answered keep their ``turn_reward``). The
 user's messages are environment tokens, masked out of the loss like tool output.
@@ -89,6 +91,15 @@ class ConversationEnv(ToolEnv):
         """The answer to the current user turn, scored (:meth:`score_turn`)."""
         return self.score_turn(answer, task, self.user_turn)
 
+    def _progress(self) -> dict[str, int]:
+        """``turns_correct``: the user turns answered correctly so far; ``user_turns``: the
+        task's number of user turns, where the task lists them (not a simulated user's).
+        In every step's info, so an episode cut short still says how far it got."""
+        out = {"turns_correct": sum(bool(i.get("correct")) for _, i in self.turn_results)}
+        if self.user is None and self.task is not None:
+            out["user_turns"] = 1 + len(self.task.metadata.get("user_turns") or [])
+        return out
+
     # ---- the loop ------------------------------------------------------------------------
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -100,11 +111,13 @@ class ConversationEnv(ToolEnv):
     def step(self, action: str) -> tuple[list[Message], SupportsFloat, bool, bool, dict[str, Any]]:
         obs, reward, terminated, truncated, info = super().step(action)
         if not terminated:  # a tool call or a reminder: the turn goes on
-            return obs, reward, terminated, truncated, {**info, "user_turn": self.user_turn}
+            info = {**info, **self._progress(), "user_turn": self.user_turn}
+            return obs, reward, terminated, truncated, info
         assert self.task is not None
         turn_info = {k: v for k, v in info.items() if k not in self._stats}
         self.turn_results.append((float(reward), turn_info))
         info = {**info, "turn_reward": float(reward), "answered_turn": self.user_turn}
+        info.update(self._progress())
         message = self.next_user_message(self.task, self.user_turn + 1)
         if message is None:  # the last user turn: the conversation's reward
             final, extra = self.score_conversation(self.task, self.turn_results)

@@ -47,6 +47,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def turn_fractions(groups: Sequence[Sequence[Episode]]) -> list[float]:
+    """Per task, the share of its user turns answered correctly (a conversation env's
+    ``info["turns_correct"] / info["user_turns"]``), averaged over its episodes; an episode
+    that reports none (a failed one) counts 0. Empty where no episode reports user turns."""
+    if not any(e.info.get("user_turns") for g in groups for e in g):
+        return []
+
+    def share(e: Episode) -> float:
+        turns = e.info.get("user_turns")
+        return e.info.get("turns_correct", 0) / turns if turns else 0.0
+
+    return [sum(share(e) for e in g) / len(g) for g in groups]
+
+
 def summarize(groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
     """Aggregate metrics over groups of episodes (one group per task)."""
     episodes = [e for g in groups for e in g]
@@ -73,6 +87,9 @@ def summarize(groups: Sequence[Sequence[Episode]]) -> dict[str, float]:
         **tool_call_stats(episodes),
         **retrieval_stats(episodes),
     }
+    turns = turn_fractions(groups)
+    if turns:  # a conversation env: the share of user turns answered correctly
+        out["turn_accuracy"] = sum(turns) / n_tasks
     k = 1
     while k <= len(groups[0]):
         out[f"pass@{k}"] = sum(pass_at_k(len(c), sum(c), k) for c in correct) / n_tasks
@@ -94,6 +111,7 @@ class EvalReport:
     config: dict[str, Any] = field(default_factory=dict)
     label: str = ""
     by_env: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_task_turns: list[float] = field(default_factory=list)  # conversations: turn_fractions
 
     def part(self, name: str) -> EvalReport:
         """Env ``name``'s own report (of a report over several envs)."""
@@ -178,7 +196,8 @@ def evaluate(
     metrics = summarize(groups)
     if judge is not None:
         metrics.update(_judge(make_env, task_ids, groups, judge))
-    return EvalReport(metrics, per_task, {**(about or {}), **asdict(config)}, label)
+    about = {**(about or {}), **asdict(config)}
+    return EvalReport(metrics, per_task, about, label, per_task_turns=turn_fractions(groups))
 
 
 #: The metrics of each env that a report over several envs shows beside the pooled ones.
@@ -240,7 +259,9 @@ def pool_reports(parts: dict[str, EvalReport], label: str, config: dict[str, Any
     for name, part in parts.items():
         metrics.update({f"{k}/{name}": part.metrics[k] for k in ENV_METRICS if k in part.metrics})
     by_env = {name: asdict(part) for name, part in parts.items()}
-    return EvalReport(metrics, per_task, config, label, by_env)
+    every = all(part.per_task_turns for part in parts.values())  # all conversations
+    turns = [x for part in parts.values() for x in part.per_task_turns] if every else []
+    return EvalReport(metrics, per_task, config, label, by_env, per_task_turns=turns)
 
 
 def _judge(
@@ -285,11 +306,20 @@ def compare(a: EvalReport, b: EvalReport) -> dict[str, float]:
             f"reports cover different task counts ({len(a.per_task)} vs {len(b.per_task)}); "
             "evaluate both with the same split, num_tasks and seed"
         )
-    diffs = [y - x for x, y in zip(a.per_task, b.per_task, strict=True)]
+    out |= _paired("accuracy", a.per_task, b.per_task)
+    if a.per_task_turns and len(a.per_task_turns) == len(b.per_task_turns):
+        out |= _paired("turn_accuracy", a.per_task_turns, b.per_task_turns)
+    return out
+
+
+def _paired(name: str, a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """``{name}_diff``: the mean per-task difference ``b - a``; ``{name}_diff_stderr``: its
+    standard error."""
+    diffs = [y - x for x, y in zip(a, b, strict=True)]
     n = len(diffs)
     mean = sum(diffs) / n
     var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
-    return {"accuracy_diff": mean, "accuracy_diff_stderr": math.sqrt(var / n), **out}
+    return {f"{name}_diff": mean, f"{name}_diff_stderr": math.sqrt(var / n)}
 
 
 def _what(report: EvalReport) -> dict[str, str]:
@@ -338,6 +368,11 @@ def format_table(reports: Sequence[EvalReport]) -> str:
             f"accuracy diff ({names[1]} - {names[0]}): {d['accuracy_diff']:+.4f} "
             f"± {d['accuracy_diff_stderr']:.4f} (paired stderr)"
         )
+        if "turn_accuracy_diff" in d:
+            lines.append(
+                f"turn accuracy diff: {d['turn_accuracy_diff']:+.4f} "
+                f"± {d['turn_accuracy_diff_stderr']:.4f} (paired stderr)"
+            )
         for name in reports[0].by_env:  # reports over several envs: each env's too
             if f"accuracy_diff/{name}" in d:
                 diff, se = d[f"accuracy_diff/{name}"], d[f"accuracy_diff_stderr/{name}"]

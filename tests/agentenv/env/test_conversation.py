@@ -67,6 +67,9 @@ def test_each_user_turn_is_scored_and_the_next_one_sent(shop):
         assert steps[2][4]["answered_turn"] == 0 and steps[2][4]["user_turn"] == 1
         last = steps[-1][4]
         assert steps[-1][2] and last["correct"] and last["turns_correct"] == 2
+        # every step says how far the conversation got (eval's turn_accuracy reads it)
+        progress = [(s[4]["turns_correct"], s[4]["user_turns"]) for s in steps]
+        assert progress == [(0, 2), (0, 2), (1, 2), (1, 2), (2, 2)]
 
 
 def test_a_wrong_follow_up_answer_scores_that_turn_0_and_the_conversation_half(shop):
@@ -103,6 +106,7 @@ def test_max_turns_counts_every_action_of_the_conversation(shop):
     assert len(steps) == 3 and steps[-1][3]  # answered turn 0 at action 3: truncated
     assert steps[-1][1] == 0.0 and steps[-1][4]["correct"] is False
     assert steps[-1][4]["turn_reward"] == 1.0  # the answered turn keeps its reward
+    assert (steps[-1][4]["turns_correct"], steps[-1][4]["user_turns"]) == (1, 2)
 
 
 def test_a_simulated_user_sees_the_conversation_and_may_end_it(shop):
@@ -123,6 +127,8 @@ def test_a_simulated_user_sees_the_conversation_and_may_end_it(shop):
     steps = play(env, [*env.demonstration(env.task)[:3], f"<answer>{2 * total}</answer>"])
     assert seen[0][-1] == "assistant" and steps[2][0][0]["content"].startswith("And the total")
     assert steps[-1][2] and steps[-1][1] == 1.0 and len(seen) == 2
+    assert "user_turns" not in steps[2][4]  # a simulated user's turns are not known ahead
+    assert steps[-1][4]["user_turns"] == 2  # but counted once it ended the conversation
     with pytest.raises(agentenv.errors.InvalidOptionError, match="user must be a callable"):
         shop.ShopEnv(user="alice")
 

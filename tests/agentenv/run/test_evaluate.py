@@ -14,6 +14,7 @@ from agentenv.run.evaluate import (
     format_table,
     pass_at_k,
     summarize,
+    turn_fractions,
 )
 
 
@@ -112,6 +113,30 @@ def test_failed_episodes_are_reported_apart_and_count_as_incorrect():
     assert m["failed_rate"] == 0.5
     assert m["env_error_rate"] == m["timeout_rate"] == 0.25
     assert m["accuracy"] == 0.25
+
+
+def test_a_conversations_turn_accuracy_counts_every_user_turn_of_the_task():
+    """Per task, the share of its user turns answered correctly, over its episodes; an
+    episode cut short counts what it got (its last info), a failed one 0."""
+
+    def ep(info, stop="terminated"):
+        return Episode([1, 2], [0, 1], [0.0, -1.0], stop_reason=stop, info=info)
+
+    done = {"correct": True, "turns_correct": 3, "user_turns": 3}
+    cut = {"turns_correct": 1, "user_turns": 4}  # ran out of turns in turn 2 of 4
+    groups = [[ep(done), ep(cut, "max_turns")], [ep({}, "env_error"), ep(cut, "max_turns")]]
+    assert turn_fractions(groups) == [(1 + 0.25) / 2, (0 + 0.25) / 2]
+    m = summarize(groups)
+    assert m["turn_accuracy"] == pytest.approx((0.625 + 0.125) / 2) and m["accuracy"] == 0.25
+    plain = [[ep({"correct": True})]]  # no conversation: no turn accuracy
+    assert turn_fractions(plain) == [] and "turn_accuracy" not in summarize(plain)
+    a = EvalReport({}, [0.0, 0.0], per_task_turns=[0.25, 0.5])
+    b = EvalReport({}, [1.0, 0.0], per_task_turns=[1.0, 0.5])
+    d = compare(a, b)
+    assert d["turn_accuracy_diff"] == pytest.approx(0.375)  # (0.75 + 0) / 2
+    assert d["turn_accuracy_diff_stderr"] == pytest.approx((2 * 0.375**2 / 1 / 2) ** 0.5)
+    assert "turn accuracy diff: +0.3750" in format_table([a, b])
+    assert "turn_accuracy_diff" not in compare(EvalReport({}, [0.0, 1.0]), b)
 
 
 def test_report_roundtrip_and_paired_compare(tmp_path):
