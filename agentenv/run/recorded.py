@@ -133,27 +133,21 @@ def one_env_record(record: dict[str, Any], env_id: str | None) -> tuple[dict[str
     first; its own turn and token limits win over the run's. Returns the record and a
     line naming the choice ("" where ``record`` is no mixture, or ``env_id`` is none of
     its envs: then the record goes through unchanged)."""
-    envs = record.get("envs") or []
-    if not envs:
+    from agentenv.env.mixture import EnvSpec
+
+    specs = [EnvSpec.coerce(e, "run.json") for e in record.get("envs") or []]
+    chosen = [
+        s
+        for s in specs
+        if env_id is None or env_id == s.name or env_name(env_id) == env_name(s.env_id)
+    ]
+    if not chosen:
         return record, ""
-    names = [e.get("name") or env_name(e["env_id"]) for e in envs]
-    if env_id is None:
-        member = envs[0]
-    else:
-        matches = [
-            e
-            for e, name in zip(envs, names, strict=True)
-            if env_id == name or env_name(env_id) == env_name(e["env_id"])
-        ]
-        if not matches:
-            return record, ""
-        member = matches[0]
+    spec, names = chosen[0], [s.name for s in specs]
     one = {k: v for k, v in record.items() if k != "envs"}
-    one.update(env_id=member["env_id"], env_kwargs=member.get("env_kwargs") or {})
-    one.update({k: member[k] for k in ROLLOUT_SETTINGS if member.get(k) is not None})
-    shown = names[envs.index(member)]
-    others = [n for n in names if n != shown]
-    line = f"note: the checkpoint trained on a mixture ({', '.join(names)}); this plays {shown}"
+    one.update(env_id=spec.env_id, env_kwargs=spec.env_kwargs, **spec.limits())
+    line = f"note: the checkpoint trained on a mixture ({', '.join(names)}); this plays {spec.name}"
+    others = [n for n in names if n != spec.name]
     if others:
         line += f" (name another, e.g. `{others[0]}`, as ENV_ID)"
     return one, line
