@@ -193,7 +193,8 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
 
     baseline = EvalReport.load(args.baseline) if args.baseline else None
     if args.report:
-        print(format_arms([Arm.load(folder) for folder in args.report], baseline))
+        arms = [Arm.load(folder, part=args.part) for folder in args.report]
+        print(format_arms(arms, baseline))
         return 0
     train_args = list(args.train_args)
     if train_args[:1] == ["--"]:
@@ -222,7 +223,7 @@ def _cmd_seeds(args: argparse.Namespace) -> int:
     imports = [x for module in args.imports or [] for x in ("--import", module)]
     arm = run_seeds(
         [*imports, *kept], args.seeds, Path(config.output_dir), args.eval_tasks, args.jobs,
-        eval_args=imports,
+        eval_args=imports, part=args.part,
     )  # fmt: skip
     print(format_arms([arm], baseline))
     return 0
@@ -662,7 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
         "seeds",
         help="run a training recipe once per seed, evaluate each, report them as a set",
         usage="%(prog)s [-h] [--seeds N ...] [--eval-tasks N] [--jobs N] [--baseline EVAL] "
-        "-- TRAIN_ARGS ...\n       %(prog)s --report ARM_DIR ... [--baseline EVAL]",
+        "[--part NAME] -- TRAIN_ARGS ...\n       %(prog)s --report ARM_DIR ... [--baseline EVAL] "
+        "[--part NAME]",
         description="Run `agentenv train TRAIN_ARGS --seed N --output-dir OUT/seed_N` for "
         "each seed (OUT: the --output-dir of TRAIN_ARGS), evaluate each run's last "
         "checkpoint on the test split (its env and limits from the checkpoint) into "
@@ -692,6 +694,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--report", nargs="+", default=None, metavar="ARM_DIR", help="report these arms only"
+    )
+    p.add_argument(
+        "--part",
+        default=None,
+        metavar="NAME",
+        help="of runs on several envs (--envs), report env NAME's part of each seed's "
+        "evaluation (e.g. against a --baseline of that env alone)",
     )
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train's arguments")
     p.set_defaults(fn=_cmd_seeds)

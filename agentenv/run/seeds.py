@@ -49,13 +49,17 @@ class Arm:
     costs: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, folder: str | Path, label: str | None = None) -> Arm:
-        """The arm in ``folder`` (its ``seed_N/eval.json`` and ``seed_N/cost.json``)."""
+    def load(cls, folder: str | Path, label: str | None = None, part: str | None = None) -> Arm:
+        """The arm in ``folder`` (its ``seed_N/eval.json`` and ``seed_N/cost.json``); with
+        ``part``, each report's part of that env (of runs on several envs, e.g. a schedule
+        that ends on the env a one-env baseline was evaluated on)."""
         folder = Path(folder)
         seeds, costs = {}, {}
         for path in sorted(folder.glob("seed_*/eval.json")):
             seed = int(path.parent.name.removeprefix("seed_"))
             seeds[seed] = EvalReport.load(path)
+            if part is not None:
+                seeds[seed] = seeds[seed].part(part)
             cost = path.parent / "cost.json"
             if cost.exists():
                 costs[seed] = json.loads(cost.read_text())
@@ -64,7 +68,8 @@ class Arm:
                 f"{folder} holds no seed_N/eval.json; run `agentenv seeds ... -- "
                 f"--output-dir {folder}` first"
             )
-        return cls(label or folder.name, dict(sorted(seeds.items())), costs)
+        name = label or (f"{folder.name}/{part}" if part else folder.name)
+        return cls(name, dict(sorted(seeds.items())), costs)
 
     def accuracies(self) -> list[float]:
         return [r.metrics["accuracy"] for r in self.seeds.values()]
@@ -190,8 +195,10 @@ def run_seeds(
     jobs: int = 1,
     say: bool = True,
     eval_args: Sequence[str] = (),
+    part: str | None = None,
 ) -> Arm:
-    """Run every seed not done yet (``jobs`` at a time, each a process), then load the arm.
+    """Run every seed not done yet (``jobs`` at a time, each a process), then load the arm
+    (``part``: see :meth:`Arm.load`).
 
     With ``jobs > 1`` each process gets ``OMP_NUM_THREADS`` = CPU cores // ``jobs`` and,
     where ``CUDA_VISIBLE_DEVICES`` lists several GPUs, one of them in turn."""
@@ -212,4 +219,4 @@ def run_seeds(
         for line in pool.map(run_job, todo, envs):
             if say:
                 print(line, flush=True)
-    return Arm.load(out)
+    return Arm.load(out, part=part)

@@ -58,6 +58,31 @@ def test_paired_differences_against_the_baseline_by_hand(tmp_path):
         paired(arm, report([0, 1]))
 
 
+def test_part_reports_one_env_of_a_mixture_arm_against_a_one_env_baseline(tmp_path, capsys):
+    """A schedule arm's eval reports cover two envs; --part bridge compares the bridge part
+    (2 of 4 right, the baseline 1: +0.25) rather than the pooled tasks (6 of them)."""
+    from dataclasses import asdict
+
+    single, bridge = report([1, 1], label="single"), report([1, 0, 0, 1], label="bridge")
+    pooled = EvalReport({"accuracy": 4 / 6}, [1, 1, 1, 0, 0, 1], label="mix")
+    pooled.by_env = {"single": asdict(single), "bridge": asdict(bridge)}
+    pooled.save(tmp_path / "sched" / "seed_0" / "eval.json")
+    baseline = report([0, 0, 0, 1], label="sft")
+    baseline.save(tmp_path / "sft.json")
+    arm = Arm.load(tmp_path / "sched", part="bridge")
+    assert arm.label == "sched/bridge" and arm.accuracies() == [0.5]
+    assert paired(arm, baseline)[0][0] == pytest.approx(0.25)
+    with pytest.raises(InvalidOptionError, match="different task counts"):
+        paired(Arm.load(tmp_path / "sched"), baseline)  # the pooled report: 6 tasks
+    with pytest.raises(InvalidOptionError, match="no env 'brige'; it has single, bridge"):
+        Arm.load(tmp_path / "sched", part="brige")
+    args = ["seeds", "--report", str(tmp_path / "sched"), "--part", "bridge"]
+    assert main([*args, "--baseline", str(tmp_path / "sft.json")]) == 0
+    assert "sched/bridge: seeds 0: 0.500; mean 0.500, min 0.500; vs baseline +0.250" in (
+        capsys.readouterr().out
+    )
+
+
 def test_an_arm_without_evaluated_seeds_names_the_command(tmp_path):
     with pytest.raises(InvalidOptionError, match="agentenv seeds"):
         Arm.load(tmp_path)
