@@ -61,6 +61,10 @@ Design decisions:
   them. With ``beta > 0`` they stay, since the KL term still applies.
   :meth:`GRPO.group_signal` makes the same decision before a step, for the training loop's
   dynamic sampling (``dynamic_sampling``: draw more tasks in place of those groups).
+* **A zero gradient** (every advantage of the step 0 on every process, no KL term in the
+  loss, no entropy bonus: ``gae`` before any episode earns a reward, a batch-mean baseline
+  over equal rewards) skips the forward and backward passes; the optimizer still steps on
+  zero gradients, so its moments and weight decay move the weights as the passes would.
 * **Failed episodes** (``episode.failed``: the env raised, or the episode ran past its
   wall-clock limit) carry no learning signal: they are dropped like zero-variance groups,
   and their group's baseline and std come from its other members (a group left with fewer
@@ -385,7 +389,12 @@ class GRPO(Trainer):
                     mb.input_ids.shape[1],
                 ).to(mb.sampler_logprobs)  # (N, T)
         lr = self.scheduler.get_last_lr()[0]
-        sums = self._optimize(batches, totals) if totals["num_tokens"] > 0 else {}
+        if totals["num_tokens"] == 0:  # every group dropped: no optimizer step
+            sums = {}
+        elif self._zero_gradient(batches):  # the step the passes would take, without them
+            sums = self._zero_step()
+        else:
+            sums = self._optimize(batches, totals)
         with warnings.catch_warnings():  # no optimizer step when every group had zero std
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
             self.scheduler.step()
@@ -680,6 +689,29 @@ class GRPO(Trainer):
         )
         stats = {"kl": kl_sum / max(tokens, 1.0), "rewards/kl_penalty_mean": pen_sum / n}
         return penalty.float(), stats
+
+    def _zero_gradient(self, batches: list[MicroBatch]) -> bool:
+        """Whether the loss's gradient is zero whatever the weights: every advantage of the
+        step is 0 on every process (e.g. ``gae`` before any episode earns a reward, its
+        critic still at 0), with no KL term in the loss and no entropy bonus."""
+        cfg = self.config
+        if (cfg.beta > 0 and cfg.kl_placement == "loss") or cfg.entropy_coef > 0:
+            return False
+        nonzero = sum(bool(mb.advantages.any()) for mb in batches)
+        return self._global([nonzero], "sum")[0] == 0
+
+    def _zero_step(self) -> dict[str, float]:
+        """What :meth:`_optimize` does when the gradient is zero, without its forward and
+        backward passes: each iteration steps the optimizer on zero gradients, so its state
+        (Adam's moments, weight decay, the step count) moves exactly as it would. The
+        entropy and sampler metrics are not measured (0, as for a step with no group)."""
+        grad_norm = 0.0
+        for _ in range(self.config.num_iterations):
+            for param in self._params:
+                param.grad = torch.zeros_like(param)
+            grad_norm += self._clip_and_step(self.config.max_grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm}
 
     def _optimize(self, batches: list[MicroBatch], totals: dict[str, float]) -> dict[str, float]:
         """Run ``num_iterations`` accumulated optimizer steps; return global metric sums."""

@@ -736,6 +736,58 @@ def test_all_zero_variance_batch_changes_nothing(tiny_model, tokenizer):
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
+def test_a_zero_gradient_step_skips_the_passes_and_steps_as_they_would(tokenizer, monkeypatch):
+    """A global-mean baseline over equal rewards gives every episode advantage 0: the
+    loss's gradient is zero, so the step skips its forward and backward passes but still
+    steps AdamW on zero gradients (its momentum and weight decay move the weights). Bit
+    for bit what the passes give, over a learning step before it and one after."""
+    from agentenv.lm.models import tiny_model as build
+
+    cfg = config(advantage_baseline="global_mean", weight_decay=0.1)
+    steps = [[[0, 1, 1, 0]], [[1, 1, 1, 1], [1, 1, 1, 1]], [[1, 0, 0, 1]]]
+    skipping = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    passes = GRPO(build(tokenizer), tokenizer, cfg, sampling=SAMPLING)
+    monkeypatch.setattr(passes, "_zero_gradient", lambda batches: False)  # always the passes
+    ran = []
+    optimize = skipping._optimize
+    monkeypatch.setattr(skipping, "_optimize", lambda *a: ran.append(1) or optimize(*a))
+    for i, rewards in enumerate(steps):
+        before = snapshot(skipping.model, trainable=True)
+        a = skipping.learn(make_groups(rewards, seed=i))
+        b = passes.learn(make_groups(rewards, seed=i))
+        assert_same_weights(skipping.model, passes.model)
+        assert a["grad_norm"] == b["grad_norm"]
+        after = snapshot(skipping.model, trainable=True)
+        assert any(not torch.equal(after[n], before[n]) for n in after)  # momentum moved them
+    assert len(ran) == 2  # the first and last steps ran the passes; the middle one did not
+    assert (
+        skipping.optimizer.state_dict()["state"].keys()
+        == passes.optimizer.state_dict()["state"].keys()
+    )
+
+
+def test_gae_before_any_reward_skips_the_passes(tokenizer, monkeypatch):
+    """``gae`` with every reward 0 and its critic at 0 (a cold start: no turn answered
+    right yet) has every advantage 0; an entropy bonus or a KL term in the loss keeps
+    the passes (their gradients are not zero)."""
+    from agentenv.lm.models import tiny_model as build
+
+    for overrides, skips in [({}, True), ({"entropy_coef": 0.01}, False), ({"beta": 0.1}, False)]:
+        trainer = GRPO(
+            build(tokenizer), tokenizer, config(credit="gae", **overrides), sampling=SAMPLING
+        )
+        ran = []
+        optimize = trainer._optimize
+        monkeypatch.setattr(
+            trainer, "_optimize", lambda *a, f=optimize, r=ran: r.append(1) or f(*a)
+        )
+        metrics = trainer.learn(make_groups([[0, 0, 0], [0, 0, 0]]))
+        assert metrics["frac_no_signal"] == 1.0 and trainer.step == 1
+        assert (not ran) == skips, overrides
+        if "entropy_coef" in overrides:  # (the KL's gradient is 0 too while policy = reference)
+            assert metrics["grad_norm"] > 0
+
+
 def test_learn_rejects_malformed_groups(tiny_model, tokenizer):
     trainer = GRPO(tiny_model, tokenizer, config(), sampling=SAMPLING)
     with pytest.raises(InvalidOptionError, match="same size, got group sizes \\[3, 4\\]"):
