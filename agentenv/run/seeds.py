@@ -57,9 +57,8 @@ class Arm:
         seeds, costs = {}, {}
         for path in sorted(folder.glob("seed_*/eval.json")):
             seed = int(path.parent.name.removeprefix("seed_"))
-            seeds[seed] = EvalReport.load(path)
-            if part is not None:
-                seeds[seed] = seeds[seed].part(part)
+            report = EvalReport.load(path)
+            seeds[seed] = report.part(part) if part is not None else report
             cost = path.parent / "cost.json"
             if cost.exists():
                 costs[seed] = json.loads(cost.read_text())
