@@ -233,8 +233,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from agentenv.run.config import EvalRunConfig, resolve
     from agentenv.run.evaluate import EvalReport, evaluate_mixture, format_table
 
+    if args.part is not None and not args.compare:
+        raise InvalidOptionError(
+            f"--part {args.part} goes with --compare A.json B.json (it picks each report's "
+            "part); to evaluate one env of several, give that env alone (ENV_ID or --envs)"
+        )
     if args.compare:
-        print(format_table([EvalReport.load(p) for p in args.compare]))
+        reports = [EvalReport.load(p) for p in args.compare]
+        if args.part is not None:  # a report over several envs: its part; one env's: whole
+            reports = [r.part(args.part) if r.by_env else r for r in reports]
+        print(format_table(reports))
         return 0
     overrides = _overrides(args)
     base, note = _checkpoint_settings(args.config, overrides)
@@ -657,6 +665,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate a model (and adapter) on an env's split: accuracy, pass@k, tool use.",
     )
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None)
+    p.add_argument(
+        "--part",
+        default=None,
+        metavar="NAME",
+        help="with --compare: env NAME's part of a report over several envs (--envs), "
+        "e.g. a mixture's env against that env's run alone; a one-env report is taken whole",
+    )
 
     p = _command(
         sub,

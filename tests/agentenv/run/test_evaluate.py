@@ -155,6 +155,32 @@ def test_report_roundtrip_and_paired_compare(tmp_path):
         compare(a, EvalReport({}, [1.0]))
 
 
+def test_compare_part_pairs_a_mixtures_env_with_that_env_run_alone(tmp_path, capsys):
+    """`eval --compare ALONE MIX --part calc` pairs the mixture's calc tasks (2 of 4 right)
+    with the calc run's (1 of 4): +0.25, not the pooled 6 tasks' count mismatch."""
+    from dataclasses import asdict
+
+    from agentenv.cli import main
+
+    calc, rag = EvalReport({}, [1, 0, 0, 1], label="mix"), EvalReport({}, [1, 1], label="mix")
+    mix = EvalReport({"accuracy": 4 / 6}, [1, 0, 0, 1, 1, 1], label="mix")
+    mix.by_env = {"calc": asdict(calc), "rag": asdict(rag)}
+    alone = EvalReport({"accuracy": 0.25}, [0, 0, 0, 1], label="alone")
+    mix.save(tmp_path / "mix.json")
+    alone.save(tmp_path / "alone.json")
+    files = [str(tmp_path / "alone.json"), str(tmp_path / "mix.json")]
+    assert main(["eval", "--compare", *files, "--part", "calc"]) == 0
+    assert "accuracy diff (mix - alone): +0.2500 ± 0.2500 (paired stderr)" in (
+        capsys.readouterr().out
+    )
+    assert main(["eval", "--compare", *files]) == 2  # pooled: 4 tasks against 6
+    assert "different task counts (4 vs 6)" in capsys.readouterr().err
+    assert main(["eval", "--compare", *files, "--part", "files"]) == 2
+    assert "has no env 'files'; it has calc, rag" in capsys.readouterr().err
+    assert main(["eval", "--part", "calc"]) == 2  # before any model loads
+    assert "--part calc goes with --compare" in capsys.readouterr().err
+
+
 def test_the_table_heads_with_what_was_evaluated_and_names_the_diff():
     """The env, kwargs, split and adapter lead the table; the difference is labelled with
     the reports' names (it said "(b-a)" under columns named "before" and "after")."""
