@@ -305,3 +305,33 @@ def test_the_mixture_recipe_has_each_single_env_recipes_env_and_limits():
         agentenv.make(spec.env_id, **spec.env_kwargs).close()
     assert mix.mixture().quotas(0, mix.batch_size) == [4, 4, 4]
     assert mix.rollout.group_size == 8 and mix.grpo.learning_rate == 2e-4
+
+
+def test_the_schedule_recipe_is_the_bridge_recipe_with_single_hop_questions_first():
+    """examples/rag_schedule_grpo.yaml against examples/rag_bridge_grpo.yaml (both
+    ``--profile multi-step --steps 32``): the same SFT, learning rate, groups and limits
+    for the bridge; single-hop 1 -> 0 and bridge 0 -> 1 over steps 0-12, by hand:
+    step 1 needs 8 * 1/12 = 0.67 bridge groups (1, owing 0.33), step 2 1.33 - 0.33 = 1,
+    step 3 2, step 4 2.67 (3, owing 0.33), step 5 3, step 6 4, ... step 12 on all 8."""
+    from pathlib import Path
+
+    import agentenv
+
+    examples = Path(__file__).parents[3] / "examples"
+    flags = {"profile": "multi-step", "steps": 32}
+    sched = TrainConfig.resolve(examples / "rag_schedule_grpo.yaml", flags)
+    bridge = TrainConfig.resolve(examples / "rag_bridge_grpo.yaml", flags)
+    for field in ("init_from", "steps", "batch_size"):
+        assert getattr(sched, field) == getattr(bridge, field), field
+    assert sched.rollout.group_size == bridge.rollout.group_size == 4
+    assert sched.grpo == bridge.grpo and sched.rollout.sampling == bridge.rollout.sampling
+    single, two_hop = sched.envs
+    assert two_hop.env_kwargs == bridge.env_kwargs
+    assert two_hop.limits()["max_turns"] == bridge.rollout.max_turns == 5
+    assert single.limits()["max_turns"] == 3 and "question_types" not in single.env_kwargs
+    mix = sched.mixture()
+    bridge_groups = [mix.quotas(step, 8)[1] for step in range(32)]
+    assert bridge_groups[:13] == [0, 1, 1, 2, 3, 3, 4, 5, 5, 6, 7, 7, 8]
+    assert bridge_groups[13:] == [8] * 19 and sum(bridge_groups) == 204  # of 256
+    for spec in sched.envs:
+        agentenv.make(spec.env_id, **spec.env_kwargs).close()
