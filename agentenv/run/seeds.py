@@ -12,7 +12,9 @@ A seed whose ``eval.json`` exists is done and skipped; one whose run stopped par
 resumes (``--resume``). :func:`format_arms` reports arms side by side: every seed's
 held-out accuracy, their mean, standard deviation (n - 1) and minimum, each seed's paired
 difference from the baseline with its standard error (the same tasks, :func:`~agentenv.
-run.evaluate.compare`), and the tool-use metrics and costs each seed recorded.
+run.evaluate.compare`), and the tool-use metrics and costs each seed recorded (training
+wall time and peak RSS; for a resumed seed, the sum of its step times and its last part's
+peak RSS).
 """
 
 from __future__ import annotations
@@ -116,11 +118,31 @@ def format_arms(arms: Sequence[Arm], baseline: EvalReport | None = None) -> str:
             if values:
                 line += f"; {key} {' / '.join(f'{v:.3f}' for v in values)}"
         if arm.costs:
-            line += "; train " + " / ".join(
-                f"{c['wall_s'] / 60:.0f} min {c['peak_rss_gb']:.1f} GB" for c in arm.costs.values()
-            )
+            line += "; train " + " / ".join(_format_cost(c) for c in arm.costs.values())
         lines.append(line)
     return "\n".join(lines)
+
+
+def _format_cost(cost: dict[str, float]) -> str:
+    if cost.get("resumed"):
+        return (
+            f"{cost['steps_s'] / 60:.0f} min (resumed: its step times) "
+            f"{cost['peak_rss_gb']:.1f} GB (its last part)"
+        )
+    return f"{cost['wall_s'] / 60:.0f} min {cost['peak_rss_gb']:.1f} GB"
+
+
+def train_cost(cost: dict[str, float], folder: Path, resumed: bool) -> dict[str, float]:
+    """What ``cost.json`` records of a seed's training: the train process's wall time and
+    peak RSS. A resumed run's process saw only its last part, so it also gets ``resumed``
+    (1.0) and ``steps_s``, the sum of ``time/step_s`` over every part (``metrics.jsonl``
+    keeps one row per step across resumes), which the report shows in place of the wall."""
+    if not resumed:
+        return cost
+    from agentenv.run.tracking import read_metrics
+
+    steps_s = sum(row.get("time/step_s", 0.0) for row in read_metrics(folder))
+    return {**cost, "resumed": 1.0, "steps_s": steps_s}
 
 
 def _run(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[int, dict[str, float]]:
@@ -177,13 +199,15 @@ def run_job(job: SeedJob, env: dict[str, str]) -> str:
     code, cost = _run(job.train, log, env)
     if code != 0:
         return f"seed {job.seed}: train failed (exit {code}); see {log}"
+    cost = train_cost(cost, job.folder, resumed="--resume" in job.train)
     (job.folder / "cost.json").write_text(json.dumps(cost))
     last = latest_checkpoint(job.folder / "checkpoints")
     code, _ = _run([*job.evaluate, "--adapter", str(last)], log, env)
     if code != 0:
         return f"seed {job.seed}: eval failed (exit {code}); see {log}"
     accuracy = EvalReport.load(job.folder / "eval.json").metrics["accuracy"]
-    return f"seed {job.seed}: accuracy {accuracy:.3f} ({cost['wall_s'] / 60:.1f} min training)"
+    minutes = cost.get("steps_s", cost["wall_s"]) / 60
+    return f"seed {job.seed}: accuracy {accuracy:.3f} ({minutes:.1f} min training)"
 
 
 def run_seeds(

@@ -10,7 +10,7 @@ import pytest
 from agentenv.cli import main
 from agentenv.errors import InvalidOptionError
 from agentenv.run.evaluate import EvalReport
-from agentenv.run.seeds import Arm, format_arms, paired, summary
+from agentenv.run.seeds import Arm, format_arms, paired, summary, train_cost
 
 ENV = {"source": "word_problems", "prompt_style": "compact"}
 
@@ -125,3 +125,23 @@ def test_seeds_runs_each_seed_into_its_folder_and_reports_the_arm(tiny_model_dir
     assert "seed 0: accuracy" not in capsys.readouterr().out
     assert main(["seeds", "--report", str(arm)]) == 0
     assert capsys.readouterr().out.startswith("arm: seeds 0, 1:")
+
+
+def test_a_resumed_seed_reports_the_sum_of_its_step_times(tmp_path):
+    """The resumed process saw only the last part (here 300 s); metrics.jsonl holds every
+    step (100 + 200 + 300 s), and the report shows that in place of the wall."""
+    folder = tmp_path / "seed_0"
+    folder.mkdir()
+    rows = [{"step": s, "time/step_s": t} for s, t in ((1, 100.0), (2, 200.0), (3, 300.0))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    last_part = {"wall_s": 330.0, "peak_rss_gb": 4.2}
+
+    assert train_cost(last_part, folder, resumed=False) == last_part
+    cost = train_cost(last_part, folder, resumed=True)
+    assert cost == {"wall_s": 330.0, "peak_rss_gb": 4.2, "resumed": 1.0, "steps_s": 600.0}
+    arm = Arm("arm", {0: report([1.0, 0.0])}, {0: cost})
+    assert format_arms([arm]).endswith(
+        "train 10 min (resumed: its step times) 4.2 GB (its last part)"
+    )
+    arm = Arm("arm", {0: report([1.0, 0.0])}, {0: last_part})
+    assert format_arms([arm]).endswith("train 6 min 4.2 GB")
