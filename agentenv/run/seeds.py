@@ -123,13 +123,18 @@ def format_arms(arms: Sequence[Arm], baseline: EvalReport | None = None) -> str:
     return "\n".join(lines)
 
 
+def _train_s(cost: dict[str, float]) -> float:
+    """A seed's training time: the process's wall, or a resumed run's step times."""
+    return cost["steps_s"] if cost.get("resumed") else cost["wall_s"]
+
+
 def _format_cost(cost: dict[str, float]) -> str:
     if cost.get("resumed"):
         return (
-            f"{cost['steps_s'] / 60:.0f} min (resumed: its step times) "
+            f"{_train_s(cost) / 60:.0f} min (resumed: its step times) "
             f"{cost['peak_rss_gb']:.1f} GB (its last part)"
         )
-    return f"{cost['wall_s'] / 60:.0f} min {cost['peak_rss_gb']:.1f} GB"
+    return f"{_train_s(cost) / 60:.0f} min {cost['peak_rss_gb']:.1f} GB"
 
 
 def train_cost(cost: dict[str, float], folder: Path, resumed: bool) -> dict[str, float]:
@@ -206,8 +211,7 @@ def run_job(job: SeedJob, env: dict[str, str]) -> str:
     if code != 0:
         return f"seed {job.seed}: eval failed (exit {code}); see {log}"
     accuracy = EvalReport.load(job.folder / "eval.json").metrics["accuracy"]
-    minutes = cost.get("steps_s", cost["wall_s"]) / 60
-    return f"seed {job.seed}: accuracy {accuracy:.3f} ({minutes:.1f} min training)"
+    return f"seed {job.seed}: accuracy {accuracy:.3f} ({_train_s(cost) / 60:.1f} min training)"
 
 
 def run_seeds(
